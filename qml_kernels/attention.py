@@ -1,0 +1,88 @@
+"""Attention over a paged KV cache, and the write of new K/V into its pages.
+
+Cache layout, per layer: ``k_cache, v_cache: [P, S, Hkv, Dh]`` (P pages of S tokens).
+A sequence's tokens live in the pages listed by its row of ``block_tables``; token
+``t`` of sequence ``b`` is at slot ``block_tables[b, t // S] * S + t % S``.
+
+A step's queries are ragged: sequence ``b`` owns query rows
+``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, which are its *last* tokens, so the query
+at row ``i`` of a sequence with ``L = context_lens[b]`` tokens sits at position
+``L - n_q + i`` and sees keys at positions ``<= L - n_q + i`` (causal). This one
+form covers prefill, chunked prefill, prefill after a prefix-cache hit, and decode.
+Options: GQA (H a multiple of Hkv), a sliding window W (keys with
+``pos - W < key_pos``), per-head attention sinks (a logit with no value, joined to
+the softmax), and tanh logit soft-capping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Scatter k, v: [T, Hkv, Dh] into the caches at ``slot_mapping``: [T] (negative = skip)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]  # [T']
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: list[int],
+    context_lens: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q: [T, H, Dh]; caches: [P, S, Hkv, Dh]; block_tables: [B, pages per seq] -> out [T, H, Dh].
+
+    ``cu_seqlens_q`` ([B+1]) and ``context_lens`` ([B]) are host lists: this reference
+    loops over sequences in Python, clear rather than fast.
+    """
+    T, H, Dh = q.shape
+    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    group = H // Hkv
+    out = torch.empty_like(q)
+    for b, L in enumerate(context_lens):
+        q0, q1 = cu_seqlens_q[b], cu_seqlens_q[b + 1]
+        n_q = q1 - q0
+        if n_q == 0:
+            continue
+        pages = block_tables[b, : -(-L // page_size)]  # [ceil(L/S)]
+        k = k_cache[pages].reshape(-1, Hkv, Dh)[:L].float()  # [L, Hkv, Dh]
+        v = v_cache[pages].reshape(-1, Hkv, Dh)[:L].float()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, Dh]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        qb = q[q0:q1].float().transpose(0, 1)  # [H, n_q, Dh]
+        logits = qb @ k.transpose(1, 2) * scale  # [H, n_q, L]
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        q_pos = torch.arange(L - n_q, L, device=q.device)[:, None]  # [n_q, 1]
+        k_pos = torch.arange(L, device=q.device)[None, :]  # [1, L]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        logits = logits.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink_col = sinks.float().view(H, 1, 1).expand(H, n_q, 1)
+            probs = torch.softmax(torch.cat((logits, sink_col), dim=-1), dim=-1)[..., :L]
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        out[q0:q1] = (probs @ v).transpose(0, 1).to(q.dtype)  # [n_q, H, Dh]
+    return out
+
+
+def kv_write(k, v, k_cache, v_cache, slot_mapping) -> None:
+    kv_write_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                    sliding_window=None, sinks=None, softcap=None):
+    return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                               sliding_window, sinks, softcap)

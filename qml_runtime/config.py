@@ -1,0 +1,70 @@
+"""Typed configuration: the model's shape, and the engine's cache and batching limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qml_kernels.rope import RopeScaling
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a decoder-only transformer, read from GGUF metadata or an HF config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    rope_theta: float
+    context_length: int
+    tie_word_embeddings: bool
+    rotary_dim: int = 0  # 0: the whole head rotates
+    rope_scaling: RopeScaling | None = None
+    # GGUF Llama weights are permuted for interleaved-pair RoPE; HF weights use rotate-half
+    rope_interleaved: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "context_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim], got {self.rotary_dim}")
+        if self.rms_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("rms_eps and rope_theta must be positive")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: ``num_blocks`` pages of ``block_size`` tokens per layer."""
+
+    block_size: int = 16
+    num_blocks: int = 0  # 0: derive from kv_cache_bytes
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks < 0:
+            raise ValueError("num_blocks must be >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits: tokens computed in one forward pass, and sequences running at once."""
+
+    max_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+
+    def __post_init__(self):
+        if self.max_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("max_batched_tokens and max_num_seqs must be positive")

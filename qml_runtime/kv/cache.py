@@ -1,0 +1,29 @@
+"""The paged KV pool: per layer, K and V tensors of ``[P, S, Hkv, Dh]``."""
+
+from __future__ import annotations
+
+import torch
+
+from qml_runtime.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device, dtype):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # one allocation for all layers: [L, 2, P, S, Hkv, Dh]
+        self.data = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                device=device, dtype=dtype)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, 0], self.data[i, 1]
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()

@@ -1,0 +1,66 @@
+"""One engine step on the device: build the batch's inputs, run the model, sample."""
+
+from __future__ import annotations
+
+import torch
+
+from qml_kernels.sampling import sample
+from qml_runtime.attention_metadata import AttentionMetadata
+from qml_runtime.kv.cache import KVCache
+from qml_runtime.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv: KVCache, device: torch.device):
+        self.model, self.kv, self.device = model, kv, device
+        self.block_size = kv.block_size
+
+    def _prepare(self, batch: ScheduledBatch):
+        ids, positions, slots = [], [], []
+        cu_seqlens_q, context_lens, sample_rows = [0], [], []
+        S = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start, end = seq.num_computed, seq.num_computed + n
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // S] * S + p % S for p in range(start, end))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
+            context_lens.append(end)
+            if end == seq.num_tokens:  # the whole sequence is in cache: its next token can be sampled
+                sample_rows.append(cu_seqlens_q[-1] - 1)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            cu_seqlens_q=cu_seqlens_q,
+            context_lens=context_lens,
+        )
+        return (torch.tensor(ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta, sample_rows)
+
+    @torch.inference_mode()
+    def step(self, batch: ScheduledBatch) -> list[int | None]:
+        """Run the batch; returns, per sequence, the sampled token or None (prefill chunk not last)."""
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv, meta)  # [T, D]
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed += n
+        sampling = [s for s in batch.seqs if s.num_computed == s.num_tokens]
+        if not sampling:
+            return [None] * len(batch.seqs)
+        logits = self.model.logits(hidden[sample_rows])  # [B', V]
+        params = [s.params for s in sampling]
+        dev = logits.device
+        tokens = sample(
+            logits,
+            torch.tensor([p.temperature for p in params], device=dev),
+            torch.tensor([p.top_k for p in params], device=dev),
+            torch.tensor([p.top_p for p in params], device=dev),
+            torch.tensor([p.min_p for p in params], device=dev),
+            [s.generator for s in sampling],
+        ).tolist()
+        by_seq = dict(zip(map(id, sampling), tokens))
+        return [by_seq.get(id(s)) for s in batch.seqs]

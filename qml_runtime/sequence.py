@@ -1,0 +1,58 @@
+"""The state of one request inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from qml_runtime.detokenizer import IncrementalDetokenizer
+from qml_runtime.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """Tokens (prompt then generated), how many of them have KV in the cache, and the pages holding it."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 detokenizer: IncrementalDetokenizer, generator: torch.Generator | None):
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.num_cached = 0  # prompt tokens found in the prefix cache instead of computed
+        self.block_table: list[int] = []
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.detokenizer = detokenizer
+        self.generator = generator
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model before the next one can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed}, pages={len(self.block_table)})")

@@ -1,0 +1,87 @@
+"""The Starlette application around one engine."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.routing import Route
+
+from qml_server.auth import ApiKeyMiddleware
+from qml_server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
+from qml_server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
+from qml_server.routes_chat import chat_completions
+from qml_server.routes_completions import completions
+from qml_server.routes_models import health, list_models, retrieve_model
+
+log = logging.getLogger("qml.server")
+
+
+def create_app(
+    engine: Any,
+    api_keys: Iterable[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> Starlette:
+    """Build the OpenAI-compatible app serving ``engine``.
+
+    ``engine`` is duck-typed (qml_runtime.engine.Engine or a test fake): model_id,
+    context_length, tokenizer, generate(), info(), start(), shutdown(). The engine
+    is started and shut down by the app's lifespan. With ``api_keys`` non-empty,
+    /v1/* requires one of them as a bearer token.
+    """
+    keys = tuple(k for k in api_keys if k)
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+    # Listed outermost first: refuse a bad key before reading any body.
+    middleware = [
+        Middleware(ApiKeyMiddleware, keys=keys),
+        Middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes),
+    ]
+    exception_handlers = {
+        ApiError: handle_api_error,
+        HTTPException: handle_http_exception,
+        Exception: handle_unexpected,
+    }
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await _maybe_await(engine.start())
+        log.info("engine started: %s", _describe(engine))
+        try:
+            yield
+        finally:
+            log.info("shutting down the engine")
+            await _maybe_await(engine.shutdown())
+
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=exception_handlers, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.started_at = int(time.time())
+    app.state.auth_enabled = bool(keys)
+    return app
+
+
+async def _maybe_await(result: Any) -> None:
+    # start()/shutdown() may be plain or async; the server does not need to care which.
+    if inspect.isawaitable(result):
+        await result
+
+
+def _describe(engine: Any) -> str:
+    info = engine.info() if hasattr(engine, "info") else {}
+    device = info.get("device", "?") if isinstance(info, dict) else "?"
+    return f"model={engine.model_id} device={device} context_length={engine.context_length}"

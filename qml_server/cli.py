@@ -1,0 +1,194 @@
+"""The `qml` command line.
+
+Every `serve` flag has an environment twin, QML_<FLAG> (``--max-model-len`` ->
+``QML_MAX_MODEL_LEN``), for containers and systemd units; a flag given on the
+command line wins over its twin. ``QML_API_KEY`` may hold several comma-separated
+keys. Keys are never printed or logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from qml_server.auth import keys_from_env
+from qml_server.limits import DEFAULT_MAX_BODY_BYTES
+
+log = logging.getLogger("qml.server")
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '33554432', '32M', '32MiB' or '512k' (binary units)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(?:i?b)?\s*", text.lower())
+    if not match or int(match.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"not a positive size in bytes: {text!r} (e.g. 33554432, 32MiB)")
+    return int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"not a positive number: {text!r}")
+    return value
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}")
+    return value
+
+
+def device_name(text: str) -> str:
+    if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown device {text!r}: use auto, cpu, cuda or cuda:N")
+
+
+def log_level(text: str) -> str:
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown log level {text!r}: use one of {', '.join(LOG_LEVELS)}")
+    return text.lower()
+
+
+def env_name(flag: str) -> str:
+    return "QML_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The `qml` parser; QML_<FLAG> variables in ``env`` become the flags' defaults."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog="qml", description="qml: GPU kernels and an LLM inference server.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+    )
+    flag = _flag_adder(serve, env)
+    flag("--model", help="a .gguf file or a Hugging Face model folder (default: the embedded model)")
+    flag("--host", default="127.0.0.1", help="address to listen on")
+    flag("--port", type=port_number, default=8000, help="port to listen on")
+    flag(
+        "--api-key",
+        action="append",
+        help="require this bearer key on /v1/* (repeatable, for rotation; the env twin takes comma-separated keys)",
+    )
+    flag("--served-model-name", help="the model name clients send and /v1/models shows")
+    flag("--device", type=device_name, default="auto", help="auto, cpu, cuda or cuda:N")
+    flag("--max-model-len", type=positive_int, help="cap on prompt + completion tokens")
+    flag("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+         help="weights, activations and KV cache (auto: float32 on CPU, bfloat16 on GPU)")
+    flag("--kv-cache-gib", type=positive_float,
+         help="KV cache size in GiB (default: 1 on CPU, 85%% of free memory on GPU)")
+    flag("--max-num-seqs", type=positive_int, default=64, help="sequences decoded together at most")
+    flag("--max-batched-tokens", type=positive_int, default=2048,
+         help="tokens computed in one step; longer prompts are prefilled in chunks of this size")
+    flag(
+        "--max-body-bytes",
+        type=parse_size,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted; bigger ones get 413 (accepts 32MiB etc.)",
+    )
+    flag("--log-level", type=log_level, default="info", help="|".join(LOG_LEVELS))
+    # QML_API_KEY is the twin of the repeatable --api-key; kept apart so flags replace it.
+    serve.set_defaults(run=serve_command, env_api_keys=keys_from_env(env.get("QML_API_KEY")))
+    return parser
+
+
+def _flag_adder(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> Callable[..., None]:
+    """add_argument, plus the flag's QML_<FLAG> twin as its default.
+
+    Going through the default is what makes an explicit flag win over the variable.
+    """
+
+    def add(name: str, help: str, **kwargs: Any) -> None:
+        twin = env_name(name)
+        raw = env.get(twin)
+        # Repeatable flags (--api-key) are merged by hand: an `append` default would be
+        # extended by the flags instead of replaced by them.
+        if raw and kwargs.get("action") != "append":
+            convert = kwargs.get("type", str)
+            try:
+                kwargs["default"] = convert(raw)
+            except argparse.ArgumentTypeError as exc:
+                parser.error(f"{twin}: {exc}")
+        default = kwargs.get("default")
+        shown = f" (default: {default})" if default is not None else ""
+        parser.add_argument(name, help=f"{help}{shown} [env {twin}]", **kwargs)
+
+    return add
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    parser = build_parser(env)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.run(args)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_keys = tuple(args.api_key) if args.api_key else args.env_api_keys
+
+    # Imported here so `qml --help` stays instant and works without torch.
+    from qml_runtime.loader import ModelNotFound, load_engine
+
+    try:
+        engine = load_engine(
+            args.model,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            served_model_name=args.served_model_name,
+            dtype=args.dtype,
+            kv_cache_gib=args.kv_cache_gib,
+            max_num_seqs=args.max_num_seqs,
+            max_batched_tokens=args.max_batched_tokens,
+        )
+    except (ModelNotFound, ValueError, OSError) as exc:  # bad path, bad file, unsupported model: no traceback
+        print(f"qml serve: {exc}", file=sys.stderr)
+        return 1
+
+    import uvicorn
+
+    from qml_server.app import create_app
+
+    app = create_app(engine, api_keys=api_keys, max_body_bytes=args.max_body_bytes)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    log.info(
+        "serving %s on http://%s:%d/v1 (API key %s, body limit %d bytes)",
+        engine.model_id,
+        host,
+        args.port,
+        "required" if api_keys else "not required",
+        args.max_body_bytes,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on")
+    return 0

@@ -1,0 +1,307 @@
+"""The two request bodies we accept, validated into plain dataclasses.
+
+Policy on fields: a field we implement is type-checked; a field we know but do not
+implement is accepted only at its neutral value (``n: 1``, ``logprobs: false``,
+``tools: []``...) and otherwise rejected with 400, so a client never silently gets
+something other than what it asked for. A field nobody defines is logged and
+ignored, as vLLM and llama.cpp do (clients and SDKs add fields of their own); a
+few known fields that cannot change the output (``user``, ``metadata``, ``store``,
+...) are ignored silently.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from qml_runtime.sampling_params import SamplingParams
+from qml_server.errors import bad_request, context_length_exceeded, invalid_type, missing_field, model_not_found
+from qml_server.fields import (
+    JsonObject,
+    int_list,
+    is_token_ids,
+    opt_bool,
+    opt_float,
+    opt_int,
+    opt_object,
+    opt_str,
+    required,
+    str_list,
+)
+
+log = logging.getLogger("qml.server")
+
+# Fields that cannot change what is generated; kept so clients that always send them work.
+_IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
+
+
+def _is(*neutral: Any) -> Callable[[Any], bool]:
+    # Compare with the type too: `True == 1` must not pass for n, nor `0.0 == False`.
+    return lambda v: v is None or any(type(v) is type(n) and v == n for n in neutral)
+
+
+# Known, not implemented: field -> (accepts this value?, what to tell the client).
+_NOT_YET = "is not supported yet"
+_UNSUPPORTED_CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (_is(1), "must be 1: only one choice per request is supported"),
+    "logprobs": (_is(False), _NOT_YET),
+    "top_logprobs": (_is(0), _NOT_YET),
+    "logit_bias": (_is({}), _NOT_YET),
+    "tools": (_is([]), _NOT_YET + " (no tool calling)"),
+    "tool_choice": (_is("none"), _NOT_YET + " (no tool calling)"),
+    "functions": (_is([]), _NOT_YET + " (no tool calling)"),
+    "function_call": (_is("none"), _NOT_YET + " (no tool calling)"),
+    "response_format": (_is({"type": "text"}), _NOT_YET + " (no structured output)"),
+    "modalities": (_is(["text"]), _NOT_YET + " (text only)"),
+    "audio": (_is(), _NOT_YET + " (text only)"),
+    "prediction": (_is(), _NOT_YET),
+    "reasoning_effort": (_is(), _NOT_YET),
+    "web_search_options": (_is(), _NOT_YET),
+    "repetition_penalty": (_is(1, 1.0), _NOT_YET + " (only 1)"),
+}
+_UNSUPPORTED_COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": _UNSUPPORTED_CHAT["n"],
+    "best_of": (_is(1), "must be 1: only one candidate per request is supported"),
+    "logprobs": (_is(), _NOT_YET),
+    "echo": (_is(False), _NOT_YET),
+    "suffix": (_is(""), _NOT_YET),
+    "logit_bias": _UNSUPPORTED_CHAT["logit_bias"],
+    "repetition_penalty": _UNSUPPORTED_CHAT["repetition_penalty"],
+}
+
+_GENERAL = {"model", "stream", "stream_options", "presence_penalty", "frequency_penalty"}
+_SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos"}
+_CHAT_FIELDS = _GENERAL | _SAMPLING | {"messages", "max_completion_tokens", "chat_template_kwargs"}
+_COMPLETION_FIELDS = _GENERAL | _SAMPLING | {"prompt"}
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Message keys a chat template may use besides role/content; passed through untouched.
+_MESSAGE_EXTRAS = ("name", "tool_call_id", "tool_calls", "reasoning_content")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The generation controls shared by both endpoints (max_tokens still unresolved)."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def to_params(self, max_tokens: int) -> SamplingParams:
+        # SamplingParams checks ranges itself and raises InvalidParameter(param, message),
+        # which the endpoint wrapper turns into a 400 naming the field.
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str | None
+    messages: list[dict[str, Any]]
+    sampling: Sampling
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str | None
+    prompt: str | list[int]
+    sampling: Sampling
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+
+def parse_chat_request(body: JsonObject) -> ChatRequest:
+    _check_field_names(body, _CHAT_FIELDS, _UNSUPPORTED_CHAT)
+    sampling = _parse_sampling(body)
+    # max_completion_tokens is the newer name; when both are sent it is the one meant.
+    newer = opt_int(body, "max_completion_tokens")
+    if newer is not None:
+        sampling = replace(sampling, max_tokens=newer)
+    stream, include_usage = _parse_stream(body)
+    return ChatRequest(
+        model=opt_str(body, "model"),
+        messages=_parse_messages(required(body, "messages")),
+        sampling=sampling,
+        stream=stream,
+        include_usage=include_usage,
+        user=opt_str(body, "user"),
+        chat_template_kwargs=opt_object(body, "chat_template_kwargs") or {},
+    )
+
+
+def parse_completion_request(body: JsonObject) -> CompletionRequest:
+    _check_field_names(body, _COMPLETION_FIELDS, _UNSUPPORTED_COMPLETION)
+    stream, include_usage = _parse_stream(body)
+    return CompletionRequest(
+        model=opt_str(body, "model"),
+        prompt=_parse_prompt(required(body, "prompt")),
+        sampling=_parse_sampling(body),
+        stream=stream,
+        include_usage=include_usage,
+        user=opt_str(body, "user"),
+    )
+
+
+def check_model(requested: str | None, served: str) -> None:
+    # A missing model means "whatever is served", as single-model servers usually allow.
+    if requested is not None and requested != served:
+        raise model_not_found(requested)
+
+
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, context_length: int, param: str) -> int:
+    """The completion budget: what was asked, or all the room the context has left."""
+    if requested is None:
+        if prompt_tokens >= context_length:
+            raise context_length_exceeded(prompt_tokens, None, context_length, param)
+        return context_length - prompt_tokens
+    if requested < 1:
+        raise bad_request(f"'max_tokens' must be at least 1, got {requested}", param="max_tokens")
+    if prompt_tokens + requested > context_length:
+        raise context_length_exceeded(prompt_tokens, requested, context_length, param)
+    return requested
+
+
+def _check_field_names(body: JsonObject, known: set[str], unsupported: dict[str, tuple[Callable, str]]) -> None:
+    for name, value in body.items():
+        if name in known or name in _IGNORED:
+            continue
+        if name in unsupported:
+            accepts, why = unsupported[name]
+            if not accepts(value):
+                raise bad_request(f"'{name}' {why}", param=name, code="unsupported_parameter")
+            continue
+        # vLLM and llama.cpp accept fields they do not know (clients add their own); say so in the log
+        log.warning("ignoring unrecognized request field %r", name)
+
+
+def _parse_sampling(body: JsonObject) -> Sampling:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = opt_float(body, name)
+        if value not in (None, 0.0):
+            raise bad_request(
+                f"'{name}' is not supported yet; send 0 or leave it out", param=name, code="unsupported_parameter"
+            )
+    top_k = opt_int(body, "top_k")
+    defaults = Sampling()
+    return Sampling(
+        max_tokens=opt_int(body, "max_tokens"),
+        temperature=_or(opt_float(body, "temperature"), defaults.temperature),
+        top_p=_or(opt_float(body, "top_p"), defaults.top_p),
+        # -1 is how vLLM clients spell "top-k off"; our SamplingParams spells it 0.
+        top_k=0 if top_k in (None, -1) else top_k,
+        min_p=_or(opt_float(body, "min_p"), defaults.min_p),
+        seed=opt_int(body, "seed"),
+        stop=str_list(body.get("stop"), "stop"),
+        stop_token_ids=int_list(body.get("stop_token_ids"), "stop_token_ids"),
+        ignore_eos=bool(opt_bool(body, "ignore_eos")),
+    )
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _parse_stream(body: JsonObject) -> tuple[bool, bool]:
+    stream = bool(opt_bool(body, "stream"))
+    options = opt_object(body, "stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    for key in options:
+        # include_obfuscation only pads chunks against side channels on OpenAI's side.
+        if key not in ("include_usage", "include_obfuscation"):
+            raise bad_request(
+                f"Unrecognized stream option: {key}", param=f"stream_options.{key}", code="unknown_parameter"
+            )
+    include_usage = opt_bool(options, "include_usage")
+    return stream, bool(include_usage)
+
+
+def _parse_messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise invalid_type("messages", "an array of message objects", value)
+    if not value:
+        raise bad_request("'messages' must contain at least one message", param="messages")
+    return [_parse_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+
+
+def _parse_message(message: Any, where: str) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise invalid_type(where, "an object", message)
+    role = message.get("role")
+    if role is None:
+        raise missing_field(f"{where}.role")
+    if role not in _ROLES:
+        raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}; got {role!r}", param=f"{where}.role")
+    content = message.get("content")
+    # An assistant turn that only called tools has null content.
+    if content is None and role != "assistant":
+        raise missing_field(f"{where}.content")
+    parsed: dict[str, Any] = {"role": role, "content": _content_text(content, f"{where}.content")}
+    for key in _MESSAGE_EXTRAS:
+        if message.get(key) is not None:
+            parsed[key] = message[key]
+    return parsed
+
+
+def _content_text(content: Any, where: str) -> str:
+    """Content as one string: a string as is, or the text parts joined by newlines."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid_type(where, "a string or an array of content parts", content)
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise invalid_type(f"{where}[{i}]", "a content part object", part)
+        kind = part.get("type")
+        if kind != "text":
+            raise bad_request(
+                f"Content part type {kind!r} is not supported; only 'text' parts are",
+                param=f"{where}[{i}].type",
+                code="unsupported_parameter",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid_type(f"{where}[{i}].text", "a string", text)
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _parse_prompt(value: Any) -> str | list[int]:
+    """One prompt: a string, a list of token ids, or either wrapped in a one-item list."""
+    if isinstance(value, str):
+        return value
+    if is_token_ids(value):
+        return list(value)
+    if isinstance(value, list) and len(value) == 1 and (isinstance(value[0], str) or is_token_ids(value[0])):
+        return value[0] if isinstance(value[0], str) else list(value[0])
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
+        raise bad_request("Only one prompt per request is supported", param="prompt", code="unsupported_parameter")
+    raise invalid_type("prompt", "a string, a list of token ids, or a one-item list of either", value)

