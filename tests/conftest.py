@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
+import torch
+
+# Triton kernels run in the interpreter on machines without a GPU; Triton reads this
+# when kernels are decorated, so it must be set before qml_kernels is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the 3.9 default, said out loud
+
+import pytest  # noqa: E402
 
 from qml_runtime.loader import ModelNotFound, find_default_model, load_engine
 

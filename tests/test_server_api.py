@@ -672,7 +672,8 @@ def test_cli_serve_builds_the_app_and_never_logs_keys(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="qml.server")
     env = {"QML_API_KEY": "sk-secret-env"}
     assert main(["serve", "--port", "0", "--served-model-name", "smol", "--device", "cpu"], env=env) == 0
-    assert loaded == {"model": None, "device": "cpu", "max_model_len": None, "served_model_name": "smol"}
+    assert loaded == {"model": None, "device": "cpu", "max_model_len": None, "served_model_name": "smol",
+                      "dtype": "auto", "kv_cache_gib": None, "max_num_seqs": 64, "max_batched_tokens": 2048}
     assert (ran["host"], ran["port"]) == ("127.0.0.1", 0)
     assert ran["app"].state.auth_enabled and "http://127.0.0.1:0/v1" in caplog.text
     assert "sk-secret-env" not in caplog.text
