@@ -79,6 +79,14 @@ def register(op: str, name: str, fn: Callable, devices: tuple[str, ...] = ("cuda
     return fn
 
 
+def get_impl(op: str, name: str) -> Impl:
+    if op not in _REG.impls:
+        raise KeyError(f"unknown op {op!r} (known: {', '.join(sorted(_REG.impls))})")
+    if name not in _REG.impls[op]:
+        raise KernelUnavailable(f"{op} has no implementation {name!r} (it has {', '.join(_REG.impls[op])})")
+    return _REG.impls[op][name]
+
+
 def implementations(op: str) -> list[str]:
     return list(_REG.impls[op])
 
