@@ -54,7 +54,7 @@ class LlamaModel(nn.Module):
             "w_gate_up": {"gate": slice(0, I), "up": slice(I, 2 * I)},
         }
         # llama3-style GGUFs carry per-frequency divisors (rope_freqs.weight) instead of metadata
-        self.register_buffer("rope_freq_divisors", torch.ones(cfg.rotary_dim // 2), persistent=False)
+        self.register_buffer("rope_freq_divisors", torch.ones(cfg.rotary_dim // 2, device=device), persistent=False)
         self._inv_freq: tuple[torch.Tensor, float] | None = None
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
