@@ -1,4 +1,4 @@
-# Set-up and everyday commands. `make serve` and `make test` work on a fresh machine.
+# Set-up and everyday commands. `make serve`, `make test` and `make docs` work on a fresh machine.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,8 +7,10 @@ PIP := $(PY) -m pip
 # torch, or pip would fetch a multi-GB CUDA build to satisfy the range.
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
+# Material for MkDocs prints an end-of-life notice on every build (docs/contributing.md says why we stay)
+export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: install install-dev serve test clean
+.PHONY: install install-dev install-docs serve test docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,14 +27,29 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(PIP) install -q -e '.[docs]'
+	touch $@
+
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+install-docs: $(VENV)/.installed-docs
 
 serve: install
 	$(VENV)/bin/qml serve $(ARGS)
 
-test: install-dev
+# The CI sequence (.ci/run): unit, interpreter, compile and end-to-end tests; committed
+# notebooks clean; every notebook run on CPU under nbval; the docs built strictly.
+test: install-dev install-docs
 	$(PY) -m pytest -q $(ARGS)
+	if [ -d notebooks ]; then $(PY) scripts/clean_notebooks.py --check notebooks; fi
+	if ls notebooks/*.ipynb >/dev/null 2>&1; then \
+		$(PY) -m pytest -q --nbval-lax --nbval-current-env notebooks/; \
+	else echo "no notebooks/*.ipynb: nbval skipped"; fi
+	$(PY) -m mkdocs build --strict
+
+docs: install-docs
+	$(PY) -m mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

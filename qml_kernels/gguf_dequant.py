@@ -2,7 +2,9 @@
 
 This is the reference for the op "dequantize". It runs wherever torch runs
 (CPU and CUDA alike, no numpy) and is vectorised over blocks, so it is fast
-enough to decode whole models at load time.
+enough to decode whole models at load time. The Triton kernels live in
+``gguf_dequant_triton``; both are registered here, and the public
+``dequantize`` dispatches between them.
 
 Layouts follow the block structs of ggml/src/ggml-common.h (``block_q4_0``,
 ``block_q4_K``, ...); their sizes are in ``ggml_types.BLOCK_LAYOUT``. Blocks run
@@ -29,7 +31,10 @@ from math import prod
 
 import torch
 
+from qml_kernels import gguf_dequant_triton as _triton
 from qml_kernels.ggml_types import BLOCK_LAYOUT, QK_K, GGMLType, tensor_nbytes
+from qml_kernels.registry import dispatch, register
+from qml_kernels.workbench.spec import OpSpec, register_spec
 
 # E2M1 code -> value, doubled so every entry is an integer; the E8M0 scale is
 # halved to compensate (ggml's kvalues_mxfp4 / GGML_E8M0_TO_FP32_HALF). ggml's
@@ -281,10 +286,11 @@ def dequantize(
 ) -> torch.Tensor:
     """Decode a GGUF tensor's bytes; same contract as ``dequantize_ref``.
 
-    The reference is the only implementation for now; a kernel will be
-    dispatched from here once one exists.
+    Runs the implementation the registry picks for the arguments: the Triton
+    kernels (``gguf_dequant_triton``) for CUDA tensors of the types they cover,
+    the reference otherwise.
     """
-    return dequantize_ref(raw, qtype, shape, dtype)
+    return _dispatch_dequantize(raw, qtype, shape, dtype)
 
 
 def dequantize_mxfp4_interleaved_ref(
@@ -321,3 +327,38 @@ def dequantize_mxfp4_interleaved_ref(
     # products are exact, so this agrees with ldexp(E2M1, E-127).
     values = values.mul_(_e8m0_half(scales).unsqueeze(-1))
     return values.flatten(-2).to(dtype)
+
+
+register("dequantize", "reference", dequantize_ref)
+register("dequantize", "triton", _triton.dequantize_triton, devices=("cuda",), supports=_triton.triton_supports)
+_dispatch_dequantize = dispatch("dequantize")
+
+register("dequantize_mxfp4_interleaved", "reference", dequantize_mxfp4_interleaved_ref)
+register("dequantize_mxfp4_interleaved", "triton", _triton.dequantize_mxfp4_interleaved_triton, devices=("cuda",),
+         supports=_triton.mxfp4_interleaved_supports)
+dequantize_mxfp4_interleaved = dispatch("dequantize_mxfp4_interleaved")
+
+DEQUANTIZE_SPEC = register_spec(OpSpec(
+    op="dequantize",
+    reference=dequantize_ref,
+    make_inputs=_triton.make_inputs,
+    cases=_triton.CASES,
+    model_cases=_triton.MODEL_CASES,
+    bytes_moved=_triton.bytes_moved,
+    exact=True,
+    out_arg="out",
+    launch_config=_triton.DequantConfig,
+    notes="the qtype is part of each case (its name starts with the type); bytes = blocks read + values written",
+))
+
+DEQUANTIZE_MXFP4_INTERLEAVED_SPEC = register_spec(OpSpec(
+    op="dequantize_mxfp4_interleaved",
+    reference=dequantize_mxfp4_interleaved_ref,
+    make_inputs=_triton.make_mxfp4_interleaved_inputs,
+    cases=_triton.MXFP4_INTERLEAVED_CASES,
+    model_cases=_triton.MXFP4_INTERLEAVED_MODEL_CASES,
+    bytes_moved=_triton.mxfp4_interleaved_bytes_moved,
+    exact=True,
+    out_arg="out",
+    launch_config=_triton.DequantConfig,
+))

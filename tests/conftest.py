@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
+from qml_kernels.env import setup_device
 
-import torch
-
-# Triton kernels run in the interpreter on machines without a GPU; Triton reads this
-# when kernels are decorated, so it must be set before qml_kernels is imported.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the 3.9 default, said out loud
+# without a GPU, Triton kernels run in the interpreter: this must happen before triton is imported
+setup_device()
 
 import pytest  # noqa: E402
 

@@ -69,6 +69,8 @@ class CheckReport:
 def _upcast(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.float()
+    if isinstance(value, dict):
+        return {k: _upcast(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
         return type(value)(_upcast(v) for v in value)
     return value

@@ -80,7 +80,8 @@ class LlamaModel(nn.Module):
                 x, residual = add_rmsnorm(h, residual, layer.attn_norm, cfg.rms_eps)
             qkv = linear(x, layer.wqkv)  # [T, (H + 2Hkv) Dh]
             q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
-            q, k = rope(q.view(T, H, Dh), k.view(T, Hkv, Dh), cos, sin, cfg.rope_interleaved)
+            q, k = q.view(T, H, Dh), k.view(T, Hkv, Dh)
+            rope(q, k, cos, sin, cfg.rope_interleaved, out=(q, k))  # in place, inside the fused qkv buffer
             v = v.view(T, Hkv, Dh)
             k_cache, v_cache = kv.layer(i)
             kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -147,7 +148,9 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
     kind = meta.get(f"{arch}.rope.scaling.type")
     if kind in ("linear", "yarn"):
         scaling = RopeScaling(kind, float(get("rope.scaling.factor")),
-                              int(meta.get(f"{arch}.rope.scaling.original_context_length", 0)))
+                              int(meta.get(f"{arch}.rope.scaling.original_context_length", 0)),
+                              beta_fast=float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                              beta_slow=float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     return ModelConfig(
         architecture=arch,

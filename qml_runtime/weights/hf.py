@@ -40,6 +40,6 @@ class HFFolder:
         with safe_open(self._where[name], framework="pt") as f:
             return f.get_slice(name).get_dtype()
 
-    def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def load(self, name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
         with safe_open(self._where[name], framework="pt") as f:
-            return f.get_tensor(name).to(dtype)
+            return f.get_tensor(name).to(device=device, dtype=dtype)

@@ -11,7 +11,7 @@ in the file must be claimed: a silent mismatch is worse than a load error.
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable, Protocol
+from typing import Iterable, Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 class WeightSource(Protocol):
     def names(self) -> list[str]: ...
-    def load(self, name: str, dtype: torch.dtype) -> torch.Tensor: ...
+    def load(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
 
 
 class WeightLoadError(ValueError):
@@ -31,7 +31,6 @@ def load_weights(
     source: WeightSource,
     table: dict[str, tuple[str, str | None]],
     ignore: Iterable[str] = (),
-    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     progress: bool = True,
 ) -> None:
     """Fill ``model``'s parameters from ``source`` following ``table`` (see module doc)."""
@@ -58,9 +57,7 @@ def load_weights(
         if shard is not None:
             rows = shards[path.rsplit(".", 1)[-1]][shard]
             dest = dest[rows]
-        tensor = source.load(name, torch.float32)
-        if transform is not None:
-            tensor = transform(name, tensor)
+        tensor = source.load(name, dest.dtype, dest.device)
         if tuple(tensor.shape) != tuple(dest.shape):
             raise WeightLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                                   f"{path}{'[' + shard + ']' if shard else ''} expects {tuple(dest.shape)}")
