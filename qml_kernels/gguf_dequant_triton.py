@@ -72,9 +72,9 @@ OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class DequantConfig:
     """Launch tunables, one setting for every type (it counts values, not blocks)."""
 
-    # output values per program: 128 blocks of 32 or 16 super-blocks of 256; 4096 over
-    # 128 threads is 32 values each, several 16-byte stores in flight per thread
-    values_per_program: int = 4096
+    # output values per program: 64 blocks of 32 or 8 super-blocks of 256, 16 values per
+    # thread; measured fastest on the H200 for most types (benchmarks/results/sweep-h200-2026-11-30.md)
+    values_per_program: int = 2048
     num_warps: int = 4  # the kernels have no loop, so there are no pipeline stages to tune
 
     def __post_init__(self):
@@ -121,8 +121,9 @@ def _e2m1_doubled(code, SIGNED_ZERO: tl.constexpr):
     table = tl.full(code.shape, _E2M1_DOUBLED_NIBBLES, tl.uint32)
     mag = ((table >> (4 * (code & 7)).to(tl.uint32)) & 15).to(tl.int32)
     if SIGNED_ZERO:
-        v = mag.to(tl.float32)
-        return tl.where(code >= 8, -v, v)
+        # set the sign bit directly: `-v` may compile to `0 - v`, which turns -0 into +0
+        sign = (code >= 8).to(tl.uint32) << 31
+        return (mag.to(tl.float32).to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(code >= 8, -mag, mag).to(tl.float32)
 
 

@@ -119,7 +119,9 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scal
 class RopeConfig:
     """Launch tunables. ``block_h=None`` picks the heads per program from the rotary width."""
 
-    block_h: int | None = None  # heads per program (power of 2)
+    # heads per program (power of 2); 16 was fastest on the H200 for head_dim 128 in both layouts
+    # (benchmarks/results/sweep-h200-2026-11-30.md); None derives it from the rotary width
+    block_h: int | None = 16
     num_warps: int = 4
 
     def __post_init__(self):

@@ -185,6 +185,7 @@ def test_compiles_for_hopper(variant, compile_reports):
     assert report.registers is None or report.registers <= 96, report.summary()
     # subnormal scales (fp16 d, E8M0 below 2^-126) must survive: no flush-to-zero arithmetic
     assert ".ftz" not in report.ptx, f"{variant}: flush-to-zero instructions in the PTX"
-    if variant in ("Q4_K", "Q5_K", "MXFP4-interleaved"):  # 16-byte aligned code bytes: vector loads
-        assert "ld.global.v4.b32" in report.ptx, report.summary()
+    if variant in ("Q4_K", "Q5_K", "MXFP4-interleaved"):  # aligned code bytes: vector loads (8 or 16 bytes,
+        # as the program's share per thread allows)
+        assert "ld.global.v4.b32" in report.ptx or "ld.global.v2.b32" in report.ptx, report.summary()
     assert "st.global.v4.b32" in report.ptx, f"{variant}: values are not written with 16-byte stores"
