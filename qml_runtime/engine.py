@@ -99,10 +99,10 @@ class Engine:
         if need > self.context_length:
             raise InvalidParameter("max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens "
                                    f"({params.max_tokens}) exceeds the context length ({self.context_length})")
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        generator = None if params.greedy else torch.Generator(device=self.device).manual_seed(seed)
+        # the sampler takes int64 seeds: fold any Python int into [0, 2^63)
+        seed = params.seed % 2**63 if params.seed is not None else random.getrandbits(63)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        return Sequence(request_id, prompt_ids, params, detok, generator)
+        return Sequence(request_id, prompt_ids, params, detok, seed)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Emit,
                request_id: str | None = None) -> str:

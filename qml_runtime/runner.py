@@ -54,13 +54,15 @@ class ModelRunner:
         logits = self.model.logits(hidden[sample_rows])  # [B', V]
         params = [s.params for s in sampling]
         dev = logits.device
+        f32, i64 = torch.float32, torch.int64  # explicit: a request may give temperature=1 as an int
         tokens = sample(
             logits,
-            torch.tensor([p.temperature for p in params], device=dev),
-            torch.tensor([p.top_k for p in params], device=dev),
-            torch.tensor([p.top_p for p in params], device=dev),
-            torch.tensor([p.min_p for p in params], device=dev),
-            [s.generator for s in sampling],
+            torch.tensor([p.temperature for p in params], dtype=f32, device=dev),
+            torch.tensor([p.top_k for p in params], dtype=i64, device=dev),
+            torch.tensor([p.top_p for p in params], dtype=f32, device=dev),
+            torch.tensor([p.min_p for p in params], dtype=f32, device=dev),
+            torch.tensor([s.seed for s in sampling], dtype=i64, device=dev),
+            torch.tensor([s.num_output_tokens for s in sampling], dtype=i64, device=dev),  # the step
         ).tolist()
         by_seq = dict(zip(map(id, sampling), tokens))
         return [by_seq.get(id(s)) for s in batch.seqs]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from qml_runtime.detokenizer import IncrementalDetokenizer
 from qml_runtime.sampling_params import SamplingParams
 
@@ -21,7 +19,7 @@ class Sequence:
     """Tokens (prompt then generated), how many of them have KV in the cache, and the pages holding it."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer, generator: torch.Generator | None):
+                 detokenizer: IncrementalDetokenizer, seed: int = 0):
         self.request_id = request_id
         self.params = params
         self.token_ids: list[int] = list(prompt_ids)
@@ -32,7 +30,7 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
-        self.generator = generator
+        self.seed = seed  # with the step (num_output_tokens), keys this request's random stream in the sampler
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
 

@@ -161,7 +161,10 @@ def _variant(T: int, D: int, add: bool, config: RMSNormConfig = RMSNormConfig())
     """The bf16 kernel exactly as the launcher would specialise it for [T, D] rows."""
     block_t, block_d = config.tile(T, D)
     constexprs = {"BLOCK_T": block_t, "BLOCK_D": block_d, "ONE_CHUNK": D <= block_d, "ADD_RESIDUAL": add}
-    return {"signature": _SIGNATURE, "constexprs": constexprs, "num_warps": config.num_warps}
+    # a real launch tells the compiler which sizes and strides are multiples of 16 (all of these are)
+    divisible = ("D", "stride_x", "stride_res", "stride_out", "stride_res_out")
+    return {"signature": _SIGNATURE, "constexprs": constexprs, "num_warps": config.num_warps,
+            "divisible": divisible}
 
 
 COMPILE_VARIANTS = {
@@ -185,5 +188,4 @@ def test_compiles_for_hopper(compile_reports, name):
     # a memory-bound row kernel needs few registers; spilling would add local-memory traffic
     assert report["spills"] in (0, None), f"{name}: {report['spills']} spill bytes"
     assert report["registers"] is None or report["registers"] <= 128, f"{name}: {report['registers']} registers"
-    # the row reduction, plus (with 128-bit vector access) one 4096-wide bf16 chunk staged for a layout change
-    assert report["shared_bytes"] <= 8192 + 1024, f"{name}: {report['shared_bytes']} B shared"
+    assert report["shared_bytes"] <= 1024, f"{name}: {report['shared_bytes']} B shared (only the row reduction)"

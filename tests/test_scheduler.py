@@ -10,7 +10,7 @@ from qml_runtime.sequence import Sequence, Status
 
 
 def seq(name: str, prompt_len: int) -> Sequence:
-    return Sequence(name, list(range(prompt_len)), SamplingParams(max_tokens=64), detokenizer=None, generator=None)
+    return Sequence(name, list(range(prompt_len)), SamplingParams(max_tokens=64), detokenizer=None)
 
 
 def run_step(batch):

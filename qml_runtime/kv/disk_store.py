@@ -1,0 +1,414 @@
+"""The local-disk KV tier: one file per full KV block, surviving restarts.
+
+Files live in ``root/<hex of fingerprint[:8]>/`` so that models and KV layouts never mix, and
+are named ``<hex of block hash>.kvb``: the engine's chained digest, never a client string. An
+exclusive ``flock`` on ``.lock`` makes one store the directory's owner (the startup scan
+deletes temp files, and two owners would fight over the budget). Format, little-endian::
+
+    offset size  field
+         0    8  magic          b"QMLKVBLK"
+         8    2  version        1
+        10    2  header_size    140
+        12    4  token_count    n
+        16    8  payload_size   bytes of KV payload
+        24   32  fingerprint    model + KV layout (dtype, block size, layers, heads, head dim)
+        56   32  block_hash     equals the file name
+        88   32  parent_hash    previous block of the chain (zeros for the first); for tooling
+       120   16  checksum       xxh3_128 over bytes [140, end of file)
+       136    4  header_crc     crc32 over bytes [0, 136)
+       140   4n  tokens         uint32, then zero padding up to align_up(140 + 4n, 4096)
+    that offset  payload        payload_size raw bytes of the KV tensor, ending the file
+
+Every byte is covered, the header by its CRC (which includes the checksum field) and the rest
+by the checksum. The 4 KiB-aligned payload (0.2% of a 2 MiB block) lets a later O_DIRECT or
+GPUDirect Storage reader DMA straight into its buffer.
+
+Crash consistency: ``put`` writes ``.<hash>.<pid>-<n>.tmp`` beside the final name, fsyncs it,
+renames it (atomic) and fsyncs the directory (a rename is not durable before that: Pillai et
+al., OSDI'14). So a final name always holds a complete file, a True ``put`` survives power
+loss, and a crash leaves at worst a temp file for the next startup to delete. Evictions and
+recency (file mtimes) are not fsynced: a lost unlink brings back a valid file, and the scan
+re-applies the budget. Past that nothing on disk is trusted: a read checks the header, the
+exact size, the tokens against the request (a hash collision must not return someone else's
+KV) and the checksum; whatever fails is deleted and served as a miss. The checksum catches
+corruption, not forgery: the directory is 0700, the files 0600.
+
+Concurrency: the index (LRU-ordered, the in-memory manifest) is rebuilt from the directory at
+startup; no manifest file exists to disagree with it. One lock guards it. Data IO runs outside
+the lock, so writer threads and the engine thread overlap; renames and unlinks run under it,
+so a reader that found a damaged file never deletes a fresh copy renamed in meanwhile.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import logging
+import os
+import re
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+log = logging.getLogger("qml.kv.disk")
+
+MAGIC = b"QMLKVBLK"
+VERSION = 1
+SUFFIX = ".kvb"
+ALIGN = 4096
+_HEADER = struct.Struct("<8sHHIQ32s32s32s16sI")
+HEADER_SIZE = _HEADER.size  # 140
+_MAX_TOKENS = 1 << 16  # blocks hold tens of tokens; a larger count means a damaged header
+_NAME = re.compile(r"[0-9a-f]{64}" + re.escape(SUFFIX))
+_TEMP = re.compile(r"\.[0-9a-f]{64}\.\d+-\d+\.tmp")
+_LOCK_NAME = ".lock"
+
+Bytes = torch.Tensor | bytes | bytearray | memoryview
+
+
+class StoreBusy(RuntimeError):
+    """Another DiskStore, in this process or another, owns the directory."""
+
+
+class _Corrupt(Exception):
+    """A file to delete and serve as a miss; the message says why."""
+
+
+def payload_offset(token_count: int) -> int:
+    return -(-(HEADER_SIZE + 4 * token_count) // ALIGN) * ALIGN
+
+
+def _byte_view(data: Bytes) -> memoryview:
+    """A flat byte view of ``data``, without copying."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu" or not data.is_contiguous():
+            raise ValueError("the disk store takes contiguous CPU tensors")
+        return memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())  # uint8: numpy has no bf16
+    return memoryview(data).cast("B")
+
+
+def _encode_tokens(tokens: Sequence[int]) -> bytes:
+    arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if len(arr) > _MAX_TOKENS or (arr.size and (arr.min() < 0 or arr.max() >= 1 << 32)):
+        raise ValueError("token ids must fit in uint32, at most 65536 per block")
+    return arr.astype("<u4").tobytes()
+
+
+def _check_key(name: str, key: bytes) -> None:
+    if not isinstance(key, bytes) or len(key) != 32:
+        raise ValueError(f"{name} must be 32 bytes")
+
+
+def _unlink(path: Path) -> str:
+    """Delete ``path`` if it exists; never raises. Returns '' or why the delete failed."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return f" (deleting it failed: {e})"
+    return ""
+
+
+def _write_all(fd: int, data: memoryview | bytearray) -> None:
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise _Corrupt("file shorter than its header says")
+        done += n
+
+
+class DiskStore:
+    """KV blocks on local disk under a byte budget (file sizes), evicted least recently used first.
+
+    ``put`` is meant for background writer threads and ``get``/``get_into`` for the engine
+    thread; all may run at once. Disk failures (ENOSPC, EIO) and damaged files never raise:
+    ``put`` returns False and reads miss. Wrong arguments (a hash that is not 32 bytes, a GPU
+    tensor) raise ValueError. ``StoreBusy`` if another store owns the directory.
+    """
+
+    def __init__(self, root: Path | str, fingerprint: bytes, budget_bytes: int):
+        _check_key("fingerprint", fingerprint)
+        self.fingerprint, self.budget_bytes = fingerprint, int(budget_bytes)
+        self.dir = Path(root) / fingerprint[:8].hex()
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._lock_file = open(self.dir / _LOCK_NAME, "a+b")  # noqa: SIM115 (held until close())
+        try:
+            fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise StoreBusy(f"{self.dir} is in use by another DiskStore") from None
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # block hash -> file size, least recently used first
+        self._bytes = 0  # file sizes in the index
+        self._reserved = 0  # files being written count against the budget before they exist
+        self._last_stamp = 0
+        self._seq = itertools.count()
+        self._stats = dict.fromkeys(("hits", "misses", "corrupt_deleted", "evictions", "writes",
+                                     "write_failures", "bytes_written", "bytes_read"), 0)
+        self._rebuild()
+
+    def put(self, block_hash: bytes, parent_hash: bytes | None, tokens: Sequence[int], payload: Bytes) -> bool:
+        """Store one block durably. True once it is on disk, or if it already was."""
+        parent_hash = parent_hash or bytes(32)
+        _check_key("block_hash", block_hash)
+        _check_key("parent_hash", parent_hash)
+        data, tok = _byte_view(payload), _encode_tokens(tokens)
+        size = payload_offset(len(tok) // 4) + data.nbytes
+        path = self._path(block_hash)
+        with self._lock:
+            if block_hash in self._index:  # written before: only refresh its recency
+                self._index.move_to_end(block_hash)
+                self._touch(path, self._stamp())
+                return True
+            # refuse before evicting anything when the block cannot fit at all
+            if self._reserved + size > self.budget_bytes or not self._make_room(size):
+                self._stats["write_failures"] += 1
+                log.warning("disk store: no room for a %d-byte block (budget %d)", size, self.budget_bytes)
+                return False
+            self._reserved += size
+        tmp = self.dir / f".{block_hash.hex()}.{os.getpid()}-{next(self._seq)}.tmp"
+        try:
+            try:
+                self._write_file(tmp, block_hash, parent_hash, tok, data)
+                with self._lock:
+                    os.rename(tmp, path)
+                    self._bytes += size - self._index.pop(block_hash, 0)  # 0 unless a concurrent put of it
+                    self._index[block_hash] = size
+                    self._stats["writes"] += 1
+                    self._stats["bytes_written"] += size
+            except OSError:
+                _unlink(tmp)
+                raise
+            finally:
+                with self._lock:
+                    self._reserved -= size
+            self._fsync_dir()  # the file is complete either way; this makes the rename durable
+            return True
+        except OSError as e:
+            log.warning("disk store: writing block %s failed: %s", block_hash.hex()[:16], e)
+            with self._lock:
+                self._stats["write_failures"] += 1
+            return False
+
+    def get(self, block_hash: bytes, tokens: Sequence[int]) -> torch.Tensor | None:
+        """The block's payload as a new uint8 CPU tensor, or None on a miss."""
+        return self._read(block_hash, tokens, None)
+
+    def get_into(self, block_hash: bytes, tokens: Sequence[int], out: torch.Tensor) -> bool:
+        """Read the payload straight into ``out`` (contiguous CPU, e.g. a pinned staging buffer).
+
+        ``out`` must hold exactly the payload's bytes, in any dtype. After False its contents
+        are undefined: a damaged file may be partly read into it before the checksum fails.
+        """
+        return self._read(block_hash, tokens, out) is not None
+
+    def contains(self, block_hash: bytes) -> bool:
+        """From the in-memory index, without disk IO; a later read may still miss."""
+        with self._lock:
+            return block_hash in self._index
+
+    __contains__ = contains
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    @property
+    def bytes_used(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        """Release the directory (``contextlib.closing`` works); do not use the store afterwards."""
+        self._lock_file.close()
+
+    def _path(self, block_hash: bytes) -> Path:
+        return self.dir / (block_hash.hex() + SUFFIX)
+
+    def _stamp(self) -> int:
+        """A strictly increasing mtime (ns): LRU order survives restarts, without ties."""
+        self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+        return self._last_stamp
+
+    def _touch(self, target: Path | int, stamp: int) -> None:
+        try:
+            os.utime(target, ns=(stamp, stamp))
+        except OSError:
+            pass  # recency is advisory; a vanished file shows up as a miss on the next read
+
+    def _write_file(self, tmp: Path, block_hash: bytes, parent_hash: bytes, tok: bytes, data: memoryview) -> None:
+        prefix = bytearray(payload_offset(len(tok) // 4))  # header, tokens, zero padding
+        prefix[HEADER_SIZE:HEADER_SIZE + len(tok)] = tok
+        h = xxhash.xxh3_128(memoryview(prefix)[HEADER_SIZE:])
+        h.update(data)
+        head = _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, len(tok) // 4, data.nbytes, self.fingerprint,
+                            block_hash, parent_hash, h.digest(), 0)[:-4]
+        prefix[:HEADER_SIZE] = head + zlib.crc32(head).to_bytes(4, "little")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            _write_all(fd, prefix)
+            _write_all(fd, data)
+            with self._lock:
+                stamp = self._stamp()
+            os.utime(fd, ns=(stamp, stamp))  # rename keeps it; the startup scan orders the LRU by it
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _check_header(self, raw: bytes, block_hash: bytes, file_size: int) -> tuple[int, int, bytes]:
+        """(token_count, payload_size, checksum) of a valid header; raises _Corrupt otherwise."""
+        if len(raw) < HEADER_SIZE:
+            raise _Corrupt("truncated header")
+        magic, version, hsize, n, psize, fp, bh, _parent, checksum, crc = _HEADER.unpack_from(raw)
+        if magic != MAGIC:
+            raise _Corrupt("bad magic")
+        if version != VERSION or hsize != HEADER_SIZE:
+            raise _Corrupt(f"format version {version}, this build reads {VERSION}")
+        if zlib.crc32(raw[:HEADER_SIZE - 4]) != crc:
+            raise _Corrupt("header CRC mismatch")
+        if fp != self.fingerprint:
+            raise _Corrupt("model fingerprint mismatch")
+        if bh != block_hash:
+            raise _Corrupt("block hash differs from the file name")
+        if n > _MAX_TOKENS or payload_offset(n) + psize != file_size:
+            raise _Corrupt(f"file is {file_size} bytes, its header says {payload_offset(n) + psize}")
+        return n, psize, checksum
+
+    def _read(self, block_hash: bytes, tokens: Sequence[int], out: torch.Tensor | None) -> torch.Tensor | None:
+        with self._lock:
+            if block_hash not in self._index:
+                self._stats["misses"] += 1
+                return None
+        try:
+            fd = os.open(self._path(block_hash), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as e:
+            self._discard(block_hash, None, str(e))
+            return None
+        try:  # fd stays open until _discard has compared inodes, so the inode cannot be reused
+            st = os.fstat(fd)
+            try:
+                prefix = os.pread(fd, ALIGN, 0)  # header and tokens in one read, up to 988 tokens
+                n, psize, checksum = self._check_header(prefix, block_hash, st.st_size)
+                off = payload_offset(n)
+                if off > len(prefix):
+                    prefix = os.pread(fd, off, 0)
+                if len(prefix) != off:
+                    raise _Corrupt("file shrank while being read")
+                if np.frombuffer(prefix, "<u4", n, HEADER_SIZE).tolist() != [int(t) for t in tokens]:
+                    raise _Corrupt("stored tokens differ from the request's (hash collision or stale key)")
+                buf = torch.empty(psize, dtype=torch.uint8) if out is None else out
+                view = _byte_view(buf)
+                if view.nbytes != psize:  # the header is valid, so the caller's buffer is wrong
+                    raise ValueError(f"out has {view.nbytes} bytes, the block's payload {psize}")
+                _pread_into(fd, view, off)
+                h = xxhash.xxh3_128(prefix[HEADER_SIZE:])
+                h.update(view)
+                if h.digest() != checksum:
+                    raise _Corrupt("payload checksum mismatch")
+            except (_Corrupt, OSError) as e:
+                self._discard(block_hash, st.st_ino, str(e))
+                return None
+            with self._lock:
+                stamp = self._stamp()
+                if block_hash in self._index:
+                    self._index.move_to_end(block_hash)
+                self._stats["hits"] += 1
+                self._stats["bytes_read"] += off + psize
+            self._touch(fd, stamp)
+            return buf
+        finally:
+            os.close(fd)
+
+    def _discard(self, block_hash: bytes, ino: int | None, reason: str) -> None:
+        """A read failed: delete the file it read (inode ``ino``) and count a miss. A fresh copy
+        that a writer renamed into place meanwhile stays. ``ino`` None: the open failed."""
+        path = self._path(block_hash)
+        with self._lock:
+            self._stats["misses"] += 1
+            try:
+                if os.stat(path, follow_symlinks=False).st_ino != ino:
+                    return  # a fresh copy, or (ino None) a file there that we could not open
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                reason += f" (stat: {e})"
+            if ino is not None:
+                reason += _unlink(path)
+                self._stats["corrupt_deleted"] += 1
+            self._bytes -= self._index.pop(block_hash, 0)
+        log.warning("disk store: %s %s: %s", "deleted" if ino is not None else "lost", path.name, reason)
+
+    def _make_room(self, size: int) -> bool:
+        """Evict LRU files until ``size`` more bytes fit; the caller holds the lock."""
+        while self._bytes + self._reserved + size > self.budget_bytes and self._index:
+            victim, victim_size = self._index.popitem(last=False)
+            self._bytes -= victim_size
+            self._stats["evictions"] += 1
+            if err := _unlink(self._path(victim)):
+                log.warning("disk store: evicting %s%s", victim.hex()[:16], err)
+        return self._bytes + self._reserved + size <= self.budget_bytes
+
+    def _rebuild(self) -> None:
+        """The startup scan: the directory is the manifest. Reads only headers."""
+        names = []
+        for entry in os.scandir(self.dir):
+            if entry.name == _LOCK_NAME:
+                continue
+            if _TEMP.fullmatch(entry.name):  # an interrupted write; we hold the lock, so none is live
+                _unlink(Path(entry.path))
+            elif _NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                names.append(entry.name)
+            else:  # never delete what this store could not have written
+                log.warning("disk store: ignoring %s: not a store file", entry.path)
+        found = sorted(f for f in map(self._scan_one, names) if f)  # oldest first; names break ties
+        for _, _, key, size in found:
+            self._index[key] = size
+            self._bytes += size
+        if found:
+            self._last_stamp = found[-1][0]
+        with self._lock:
+            self._make_room(0)  # the budget may have shrunk since the last run
+        log.info("disk store: %d blocks, %d bytes in %s", len(self._index), self._bytes, self.dir)
+
+    def _scan_one(self, name: str) -> tuple[int, str, bytes, int] | None:
+        path, key = self.dir / name, bytes.fromhex(name[:64])
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                st = os.fstat(fd)
+                self._check_header(os.pread(fd, HEADER_SIZE, 0), key, st.st_size)
+            finally:
+                os.close(fd)
+        except (_Corrupt, OSError) as e:
+            with self._lock:
+                self._stats["corrupt_deleted"] += 1
+            log.warning("disk store: deleted %s: %s%s", name, e, _unlink(path))
+            return None
+        return st.st_mtime_ns, name, key, st.st_size
