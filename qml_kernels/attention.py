@@ -16,7 +16,54 @@ the softmax), and tanh logit soft-capping.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens go in the paged cache and what each query sees.
+
+    Built once per batch by the runner and read by every layer (plan once, run per
+    layer). Device tensors feed the kernels; host copies let reference code and
+    launchers size grids without synchronizing with the device.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot written by each token (negative: none)
+    block_tables: torch.Tensor  # [B, pages per seq] int32
+    cu_seqlens_q: torch.Tensor  # [B+1] int32: query row offsets
+    context_lens: torch.Tensor  # [B] int32: tokens in cache after this step
+    cu_seqlens_q_host: list[int]
+    context_lens_host: list[int]
+
+    @classmethod
+    def build(cls, slot_mapping: list[int], block_tables: list[list[int]], cu_seqlens_q: list[int],
+              context_lens: list[int], device) -> AttentionMetadata:
+        width = max(len(t) for t in block_tables)
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            cu_seqlens_q_host=list(cu_seqlens_q),
+            context_lens_host=list(context_lens),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens_host)
+
+    @property
+    def max_q_len(self) -> int:
+        cu = self.cu_seqlens_q_host
+        return max(b - a for a, b in zip(cu, cu[1:]))
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one new token."""
+        return self.max_q_len == 1
 
 
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -32,25 +79,24 @@ def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cu_seqlens_q: list[int],
-    context_lens: list[int],
-    block_tables: torch.Tensor,
+    meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, Dh]; caches: [P, S, Hkv, Dh]; block_tables: [B, pages per seq] -> out [T, H, Dh].
+    """q: [T, H, Dh]; caches: [P, S, Hkv, Dh]; sinks: [H] or None -> out [T, H, Dh] in q.dtype.
 
-    ``cu_seqlens_q`` ([B+1]) and ``context_lens`` ([B]) are host lists: this reference
-    loops over sequences in Python, clear rather than fast.
+    Loops over sequences in Python using the metadata's host lists: clear rather than fast.
     """
     T, H, Dh = q.shape
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     group = H // Hkv
-    out = torch.empty_like(q)
-    for b, L in enumerate(context_lens):
-        q0, q1 = cu_seqlens_q[b], cu_seqlens_q[b + 1]
+    block_tables = meta.block_tables
+    out = torch.empty_like(q) if out is None else out
+    for b, L in enumerate(meta.context_lens_host):
+        q0, q1 = meta.cu_seqlens_q_host[b], meta.cu_seqlens_q_host[b + 1]
         n_q = q1 - q0
         if n_q == 0:
             continue
@@ -82,7 +128,5 @@ def kv_write(k, v, k_cache, v_cache, slot_mapping) -> None:
     kv_write_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                    sliding_window=None, sinks=None, softcap=None):
-    return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                               sliding_window, sinks, softcap)
+def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, sinks=None, softcap=None, out=None):
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, sinks, softcap, out)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from qml_kernels.attention import AttentionMetadata
 from qml_kernels.sampling import sample
-from qml_runtime.attention_metadata import AttentionMetadata
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.scheduler import ScheduledBatch
 
@@ -29,15 +29,8 @@ class ModelRunner:
             context_lens.append(end)
             if end == seq.num_tokens:  # the whole sequence is in cache: its next token can be sampled
                 sample_rows.append(cu_seqlens_q[-1] - 1)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            cu_seqlens_q=cu_seqlens_q,
-            context_lens=context_lens,
-        )
+        meta = AttentionMetadata.build(slots, [s.block_table for s in batch.seqs], cu_seqlens_q, context_lens, dev)
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta, sample_rows)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qml_runtime.attention_metadata import AttentionMetadata
+from qml_kernels.attention import AttentionMetadata
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.sampling_params import SamplingParams
 
@@ -43,8 +43,7 @@ def full_logits(engine, token_ids: list[int]) -> torch.Tensor:
     pages = -(-len(token_ids) // S)
     kv = KVCache(cfg, pages, S, engine.device, engine.dtype)
     T = len(token_ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(T), block_tables=torch.arange(pages, dtype=torch.int32)[None],
-                             cu_seqlens_q=[0, T], context_lens=[T])
+    meta = AttentionMetadata.build(list(range(T)), [list(range(pages))], [0, T], [T], engine.device)
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), torch.arange(T), kv, meta)
         return model.logits(hidden)

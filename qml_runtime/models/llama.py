@@ -12,11 +12,10 @@ import torch
 from torch import nn
 
 from qml_kernels.activations import swiglu
-from qml_kernels.attention import kv_write, paged_attention
+from qml_kernels.attention import AttentionMetadata, kv_write, paged_attention
 from qml_kernels.linear import linear
 from qml_kernels.rmsnorm import add_rmsnorm, rmsnorm
 from qml_kernels.rope import RopeScaling, rope, rope_cos_sin, rope_inv_freq
-from qml_runtime.attention_metadata import AttentionMetadata
 from qml_runtime.config import ModelConfig
 from qml_runtime.kv.cache import KVCache
 
@@ -85,8 +84,7 @@ class LlamaModel(nn.Module):
             v = v.view(T, Hkv, Dh)
             k_cache, v_cache = kv.layer(i)
             kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
-                                meta.block_tables, scale)  # [T, H, Dh]
+            o = paged_attention(q, k_cache, v_cache, meta, scale)  # [T, H, Dh]
             h = linear(o.reshape(T, H * Dh), layer.wo)  # [T, D]
             x, residual = add_rmsnorm(h, residual, layer.mlp_norm, cfg.rms_eps)
             h = linear(swiglu(linear(x, layer.w_gate_up)), layer.w_down)  # [T, D]
