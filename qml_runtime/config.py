@@ -50,6 +50,7 @@ class CacheConfig:
 
     block_size: int = 16
     num_blocks: int = 0  # 0: derive from kv_cache_bytes
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

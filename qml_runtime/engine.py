@@ -48,7 +48,7 @@ class _Abort:
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, model_config: ModelConfig, *, model_id: str,
                  device: torch.device, dtype: torch.dtype, cache: CacheConfig, scheduler: SchedulerConfig,
-                 context_length: int | None = None, info: dict | None = None):
+                 context_length: int | None = None, info: dict | None = None, fingerprint: bytes = b""):
         self.model, self.tokenizer, self.model_config = model, tokenizer, model_config
         self.model_id, self.device, self.dtype = model_id, device, dtype
         self.kv = KVCache(model_config, cache.num_blocks, cache.block_size, device, dtype)
@@ -58,7 +58,7 @@ class Engine:
         if self.context_length < (context_length or model_config.context_length):
             log.warning("context length capped at %d tokens: that is all the KV cache holds", capacity)
         self.blocks = BlockManager(cache.num_blocks, cache.block_size)
-        self.scheduler = Scheduler(scheduler, self.blocks)
+        self.scheduler = Scheduler(scheduler, self.blocks, fingerprint, cache.enable_prefix_caching)
         self.runner = ModelRunner(model, self.kv, device)
         self._info = dict(info or {})
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -89,7 +89,8 @@ class Engine:
 
     # --- requests ---------------------------------------------------------------------
 
-    def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> Sequence:
+    def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                      tenant: str | None = None) -> Sequence:
         if not prompt_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -102,13 +103,18 @@ class Engine:
         # the sampler takes int64 seeds: fold any Python int into [0, 2^63)
         seed = params.seed % 2**63 if params.seed is not None else random.getrandbits(63)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        return Sequence(request_id, prompt_ids, params, detok, seed)
+        salt = tenant.encode() if tenant else b""
+        return Sequence(request_id, prompt_ids, params, detok, seed, salt)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Emit,
-               request_id: str | None = None) -> str:
-        """Queue a request; ``emit`` is called from the engine thread with each output."""
+               request_id: str | None = None, tenant: str | None = None) -> str:
+        """Queue a request; ``emit`` is called from the engine thread with each output.
+
+        ``tenant`` (the authenticated API key's id) salts the request's KV page names:
+        tenants never share cached pages.
+        """
         request_id = request_id or uuid.uuid4().hex
-        seq = self._new_sequence(list(prompt_ids), params, request_id)
+        seq = self._new_sequence(list(prompt_ids), params, request_id, tenant)
         self._inbox.put(_Add(seq, emit))
         self._wakeup.set()
         return request_id
@@ -117,13 +123,13 @@ class Engine:
         self._inbox.put(_Abort(request_id))
         self._wakeup.set()
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Closing the iterator early aborts the request."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         request_id = self.submit(prompt_ids, params, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o),
-                                 request_id)
+                                 request_id, tenant)
         finished = False
         try:
             while True:
@@ -139,10 +145,10 @@ class Engine:
             if not finished:
                 self.abort(request_id)
 
-    def generate_sync(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+    def generate_sync(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None = None) -> RequestOutput:
         """Run one request to completion from a plain thread; returns the whole output."""
         outputs: queue.SimpleQueue = queue.SimpleQueue()
-        request_id = self.submit(prompt_ids, params, outputs.put)
+        request_id = self.submit(prompt_ids, params, outputs.put, tenant=tenant)
         total = RequestOutput(request_id)
         while not total.finished:
             out = outputs.get()
@@ -177,6 +183,8 @@ class Engine:
                 for seq in batch.seqs:
                     self._fail(seq, exc)
                 continue
+            for seq in batch.seqs:
+                self.scheduler.commit(seq)  # before any finishes: its pages are named, then released
             for seq, token in zip(batch.seqs, tokens):
                 if token is None:
                     continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import time
@@ -14,6 +15,7 @@ from qml_runtime import models
 from qml_runtime.config import CacheConfig, SchedulerConfig
 from qml_runtime.engine import Engine
 from qml_runtime.kv.cache import KVCache
+from qml_runtime.kv.prefix import model_fingerprint
 from qml_runtime.tokenizer import Tokenizer
 from qml_runtime.weights.gguf import GGUFFile
 from qml_runtime.weights.hf import HFFolder
@@ -44,6 +46,26 @@ def find_default_model() -> Path:
     raise ModelNotFound(INSTALL_HINT)
 
 
+def weights_identity(path: Path) -> bytes:
+    """A digest of a model's files: sizes, headers and samples spread through the data.
+
+    Cached KV is only valid for the exact weights that made it; reading every byte of
+    a multi-GB file at start-up would be slow, and two different checkpoints that agree
+    on their headers and on 64 samples of their data do not occur in practice.
+    """
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as f:
+            h.update(f.read(1 << 20))  # the header: metadata and tensor table
+            for i in range(64):
+                f.seek(size * i // 64)
+                h.update(f.read(4096))
+    return h.digest()
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,7 +89,7 @@ def _kv_blocks(model_config, block_size: int, dtype, device: torch.device, kv_ca
 def load_engine(model: str | None = None, device: str = "auto", max_model_len: int | None = None,
                 served_model_name: str | None = None, dtype: str = "auto", kv_cache_gib: float | None = None,
                 block_size: int = 16, max_batched_tokens: int = 2048, max_num_seqs: int = 64,
-                progress: bool = True) -> Engine:
+                enable_prefix_caching: bool = True, progress: bool = True) -> Engine:
     """Load a model and build the engine around it (the engine is not started)."""
     path = Path(model) if model else find_default_model()
     if not path.exists():
@@ -101,10 +123,13 @@ def load_engine(model: str | None = None, device: str = "auto", max_model_len: i
         "device": str(dev),
         "dtype": str(torch_dtype).removeprefix("torch."),
     }
+    # KV bytes depend on the weights, the model's shape, the dtype and the page size
+    fingerprint = model_fingerprint(weights_identity(path), cfg, str(torch_dtype), block_size)
     engine = Engine(net, tokenizer, cfg, model_id=served_model_name or path.stem, device=dev, dtype=torch_dtype,
-                    cache=CacheConfig(block_size=block_size, num_blocks=blocks),
+                    cache=CacheConfig(block_size=block_size, num_blocks=blocks,
+                                      enable_prefix_caching=enable_prefix_caching),
                     scheduler=SchedulerConfig(max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs),
-                    context_length=max_model_len, info=info)
+                    context_length=max_model_len, info=info, fingerprint=fingerprint)
     log.info("loaded %s in %.1f s: architecture=%s parameters=%.1fM quant=%s context=%d device=%s dtype=%s "
              "kv_cache=%d tokens (%.2f GiB)", path.name, time.perf_counter() - t0, cfg.architecture, n_params / 1e6,
              ",".join(f"{k}x{v}" for k, v in quant.items()), engine.context_length, dev, info["dtype"],

@@ -7,6 +7,11 @@ order while tokens and pages remain. A long prompt is therefore cut into chunks
 and never stalls the decoding of others. When pages run out, the most recently
 admitted running sequence is preempted: its pages are freed and it is recomputed
 later from its tokens.
+
+With prefix caching, a request is admitted onto the pages of the longest cached
+prefix of its tokens (verified token by token) and only the rest is computed; after
+every step, pages that became full are named by content so later requests (the next
+turn of the conversation, a preempted sequence coming back) can find them.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 
 from qml_runtime.config import SchedulerConfig
 from qml_runtime.kv.block_manager import BlockManager
+from qml_runtime.kv.prefix import ROOT, block_hash
 from qml_runtime.sequence import Sequence, Status
 
 
@@ -29,11 +35,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, fingerprint: bytes = b"",
+                 prefix_caching: bool = True):
         self.config = config
         self.blocks = blocks
+        self.fingerprint = fingerprint
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -58,9 +69,9 @@ class Scheduler:
         budget = self.config.max_batched_tokens - sum(batch.num_tokens)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            if not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
+            if not self._admit(seq, budget):
                 break  # keep arrival order: nobody overtakes the head of the queue
+            n = min(seq.num_uncomputed, budget)
             self.waiting.popleft()
             self.blocks.grow(seq.block_table, seq.num_computed + n)
             seq.status = Status.RUNNING
@@ -69,6 +80,57 @@ class Scheduler:
             batch.num_tokens.append(n)
             budget -= n
         return batch
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Put the cached prefix of ``seq`` under it and check its first chunk fits; False: wait."""
+        pages = self._cached_prefix(seq) if self.prefix_caching else []
+        S = self.blocks.block_size
+        computed = len(pages) * S
+        n = min(seq.num_tokens - computed, budget)
+        # pages found in the cache but free right now leave the free list when taken
+        reclaimed = sum(1 for p in pages if self.blocks.ref[p] == 0)
+        if self.blocks.blocks_needed(pages, computed + n) > self.blocks.num_free - reclaimed:
+            return False
+        for page in pages:
+            self.blocks.acquire(page)
+        seq.block_table = pages
+        seq.num_computed = computed
+        seq.num_committed = len(pages)
+        if not seq.admitted:
+            seq.admitted, seq.num_cached = True, computed
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += computed
+        return True
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Pages holding the longest cached run of ``seq``'s full blocks, at least one token short of
+        the end (the last token must be computed to give the logits of the next one)."""
+        pages = []
+        for i in range((seq.num_tokens - 1) // self.blocks.block_size):
+            name, tokens = self._name(seq, i)
+            page = self.blocks.lookup(name, tokens)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def _name(self, seq: Sequence, i: int) -> tuple[bytes, tuple[int, ...]]:
+        """Content name and tokens of full block ``i`` of ``seq`` (names are computed once, in order)."""
+        S = self.blocks.block_size
+        tokens = tuple(seq.token_ids[i * S:(i + 1) * S])
+        if i == len(seq.block_names):
+            parent = seq.block_names[-1] if seq.block_names else ROOT
+            seq.block_names.append(block_hash(parent, tokens, self.fingerprint, seq.salt))
+        return seq.block_names[i], tokens
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step: name the pages of ``seq`` that became full and computed."""
+        if not self.prefix_caching:
+            return
+        full = seq.num_computed // self.blocks.block_size
+        for i in range(seq.num_committed, full):
+            self.blocks.register(seq.block_table[i], *self._name(seq, i))
+        seq.num_committed = max(seq.num_committed, full)
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Get pages for ``n`` more tokens of ``seq``, preempting later sequences if needed."""
@@ -86,9 +148,8 @@ class Scheduler:
         if seq in batch.seqs:
             i = batch.seqs.index(seq)
             del batch.seqs[i], batch.num_tokens[i]
-        self.blocks.release(seq.block_table)
-        seq.num_computed = 0
-        seq.num_cached = 0
+        self.blocks.release(seq.block_table)  # its full pages stay cached: coming back, it finds them
+        seq.num_computed = seq.num_committed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

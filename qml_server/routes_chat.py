@@ -31,7 +31,8 @@ async def chat_completions(request: Request) -> Response:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     log_request(request_id, len(prompt_ids), params, req.stream)
-    stream = engine.generate(prompt_ids, params, request_id)
+    # the authenticated key's tenant salts the KV cache: tenants never reuse each other's pages
+    stream = engine.generate(prompt_ids, params, request_id, tenant=getattr(request.state, "tenant", None))
 
     if req.stream:
         first = await first_output(request, stream)

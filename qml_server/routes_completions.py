@@ -30,7 +30,8 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     head = {"id": request_id, "object": "text_completion", "created": created, "model": engine.model_id}
     log_request(request_id, len(prompt_ids), params, req.stream)
-    stream = engine.generate(prompt_ids, params, request_id)
+    # the authenticated key's tenant salts the KV cache: tenants never reuse each other's pages
+    stream = engine.generate(prompt_ids, params, request_id, tenant=getattr(request.state, "tenant", None))
 
     if req.stream:
         first = await first_output(request, stream)

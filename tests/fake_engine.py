@@ -50,6 +50,7 @@ class Call:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
+    tenant: str | None = None
 
 
 class FakeEngine:
@@ -96,9 +97,9 @@ class FakeEngine:
         }
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        self.calls.append(Call(list(prompt_ids), params, request_id))
+        self.calls.append(Call(list(prompt_ids), params, request_id, tenant))
         # Imitates prefix caching: tokens shared with the previous prompt count as cached.
         cached = _common_prefix(self._last_prompt, prompt_ids)
         self._last_prompt = list(prompt_ids)

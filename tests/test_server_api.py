@@ -357,6 +357,8 @@ def test_api_keys(fake, caplog):
         for key in ("sk-old", "sk-new"):  # both work: rotation
             r = c.post(CHAT, json={"messages": HELLO, "max_tokens": 2}, headers={"authorization": f"Bearer {key}"})
             assert r.status_code == 200
+        # each key is a tenant, and the engine is told which: it salts the KV cache with it
+        assert [call.tenant for call in fake.calls] == [tenant_id("sk-old"), tenant_id("sk-new")]
     assert "sk-old" not in caplog.text and "sk-new" not in caplog.text and "sk-wrong" not in caplog.text
 
 

@@ -1,23 +1,43 @@
-"""Allocation of KV pages to sequences (block tables)."""
+"""Allocation of KV pages to sequences, with reuse of full pages by content (prefix caching).
+
+A page holds ``block_size`` tokens of K/V for every layer. Pages are reference-counted:
+sequences that share a prefix share its pages. A full page whose K/V is computed is
+registered under its chained content name (``kv.prefix``) with its tokens; when no
+sequence uses it any more it stays in the cache, at the young end of an LRU list of
+free pages, until a new allocation needs the room. So a conversation's history stays
+on the GPU between turns for as long as memory allows, and the next turn finds it by
+name.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from typing import Callable
 
 
 class BlockManager:
-    """A free list of page ids; a sequence holds the pages in its block table, in token order."""
-
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.ref = [0] * num_blocks
+        self._name: list[bytes | None] = [None] * num_blocks
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._by_name: dict[bytes, int] = {}
+        # free pages, oldest first: cached pages are evicted in LRU order, empty ones first
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # called with (page, name, tokens) just before a cached page is overwritten (spill to a lower tier)
+        self.on_evict: Callable[[int, bytes, tuple[int, ...]], None] | None = None
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     @property
+    def num_cached(self) -> int:
+        return len(self._by_name)
+
+    @property
     def usage(self) -> float:
+        """Fraction of pages held by running sequences (cached free pages count as free)."""
         return 1.0 - len(self._free) / self.num_blocks
 
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
@@ -28,12 +48,53 @@ class BlockManager:
         return self.blocks_needed(block_table, num_tokens) <= len(self._free)
 
     def grow(self, block_table: list[int], num_tokens: int) -> None:
-        """Append pages to ``block_table`` in place until it covers ``num_tokens`` tokens."""
+        """Append fresh pages to ``block_table`` in place until it covers ``num_tokens`` tokens."""
         need = self.blocks_needed(block_table, num_tokens)
         if need > len(self._free):
             raise MemoryError(f"KV cache: {need} pages needed, {len(self._free)} free")
-        block_table.extend(self._free.popleft() for _ in range(need))
+        block_table.extend(self._take() for _ in range(need))
+
+    def _take(self) -> int:
+        page, _ = self._free.popitem(last=False)
+        name = self._name[page]
+        if name is not None:
+            if self.on_evict is not None:
+                self.on_evict(page, name, self._tokens[page])
+            del self._by_name[name]
+            self._name[page] = self._tokens[page] = None
+        self.ref[page] = 1
+        return page
 
     def release(self, block_table: list[int]) -> None:
-        self._free.extend(block_table)
+        """Drop a sequence's hold on its pages. Its last pages become the oldest free ones:
+        the start of a conversation is the part most likely to be asked for again."""
+        for page in reversed(block_table):
+            self.ref[page] -= 1
+            if self.ref[page] == 0:
+                self._free[page] = None
         block_table.clear()
+
+    # --- prefix cache -----------------------------------------------------------------
+
+    def lookup(self, name: bytes, tokens: tuple[int, ...]) -> int | None:
+        """The page cached under ``name`` if its tokens are ``tokens`` (a hash collision is a miss)."""
+        page = self._by_name.get(name)
+        if page is None or self._tokens[page] != tokens:
+            return None
+        return page
+
+    def acquire(self, page: int) -> None:
+        """Take a hold on a cached page found by ``lookup``."""
+        if self.ref[page] == 0:
+            del self._free[page]
+        self.ref[page] += 1
+
+    def register(self, page: int, name: bytes, tokens: tuple[int, ...]) -> None:
+        """Name a full, computed page. If another page already holds this content, keep that one."""
+        if name in self._by_name or self._name[page] is not None:
+            return
+        self._by_name[name] = page
+        self._name[page], self._tokens[page] = name, tokens
+
+    def name_of(self, page: int) -> bytes | None:
+        return self._name[page]

@@ -1,0 +1,152 @@
+"""Prefix caching: pages found again by content, verified by tokens, salted by tenant, evicted LRU."""
+
+from __future__ import annotations
+
+import pytest
+
+from qml_runtime.config import SchedulerConfig
+from qml_runtime.kv import prefix
+from qml_runtime.kv.block_manager import BlockManager
+from qml_runtime.sampling_params import SamplingParams
+from qml_runtime.scheduler import Scheduler
+from qml_runtime.sequence import Sequence
+
+S = 16
+
+
+def seq(tokens: list[int], salt: bytes = b"", name: str = "s") -> Sequence:
+    return Sequence(name, tokens, SamplingParams(max_tokens=8), detokenizer=None, salt=salt)
+
+
+def run_to_end(sched: Scheduler, s: Sequence) -> None:
+    """Schedule until the prompt is computed, naming pages as the engine does, then finish it."""
+    sched.add(s)
+    while s.num_computed < s.num_tokens:
+        batch = sched.schedule()
+        for q, n in zip(batch.seqs, batch.num_tokens):
+            q.num_computed += n
+            sched.commit(q)
+    sched.finish(s, "stop")
+
+
+def make(num_blocks: int = 16, budget: int = 1000, fp: bytes = b"model") -> Scheduler:
+    return Scheduler(SchedulerConfig(max_batched_tokens=budget), BlockManager(num_blocks, S), fp)
+
+
+def test_hash_chain_is_deterministic_and_order_sensitive():
+    a = prefix.chain(list(range(48)), S, b"fp", b"")
+    assert a == prefix.chain(list(range(48)), S, b"fp", b"") and len(a) == 3
+    assert prefix.chain([1] * 16 + [2] * 16, S, b"fp", b"")[1] != prefix.chain([2] * 16 + [2] * 16, S, b"fp", b"")[1]
+    assert prefix.chain(list(range(16)), S, b"fp", b"t1") != prefix.chain(list(range(16)), S, b"fp", b"t2")
+    assert prefix.chain(list(range(16)), S, b"fp1", b"") != prefix.chain(list(range(16)), S, b"fp2", b"")
+    # length-prefixed: moving bytes between fingerprint and salt changes the name
+    assert prefix.block_hash(prefix.ROOT, [1], b"ab", b"c") != prefix.block_hash(prefix.ROOT, [1], b"a", b"bc")
+
+
+def test_second_request_reuses_the_shared_prefix():
+    sched = make()
+    first = seq(list(range(40)))
+    run_to_end(sched, first)
+    second = seq(list(range(35)) + [999] * 10)  # shares two full pages (32 tokens) and 3 more tokens
+    sched.add(second)
+    batch = sched.schedule()
+    assert second.num_cached == 32 and second.num_computed == 32
+    assert batch.num_tokens == [45 - 32]
+    assert sched.prefix_hits == 32 and sched.prefix_queries == 40 + 45
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    sched = make()
+    run_to_end(sched, seq(list(range(32))))
+    again = seq(list(range(32)))
+    sched.add(again)
+    batch = sched.schedule()
+    # 32 tokens = 2 full pages, but the last token must run to give logits: only the first page is reused
+    assert again.num_cached == 16 and batch.num_tokens == [16]
+
+
+def test_tenants_never_share_pages():
+    sched = make()
+    run_to_end(sched, seq(list(range(40)), salt=b"tenant-a"))
+    other = seq(list(range(40)), salt=b"tenant-b")
+    sched.add(other)
+    sched.schedule()
+    assert other.num_cached == 0
+    same = seq(list(range(40)), salt=b"tenant-a")
+    sched.add(same)
+    sched.schedule()
+    assert same.num_cached == 32
+
+
+def test_a_hash_collision_is_a_miss(monkeypatch):
+    monkeypatch.setattr("qml_runtime.scheduler.block_hash", lambda parent, tokens, fp, salt: b"x" * 32)
+    sched = make()
+    run_to_end(sched, seq(list(range(40))))
+    impostor = seq(list(range(100, 140)))  # every page gets the same (colliding) name
+    sched.add(impostor)
+    sched.schedule()
+    assert impostor.num_cached == 0
+
+
+def test_cached_pages_are_evicted_oldest_first_and_reported():
+    sched = make(num_blocks=6)
+    evicted = []
+    sched.blocks.on_evict = lambda page, name, tokens: evicted.append(tokens[0])
+    run_to_end(sched, seq(list(range(0, 33)), name="a"))  # 3 pages, 2 full and named
+    run_to_end(sched, seq(list(range(100, 133)), name="b"))  # 3 more: the pool is full of cached pages
+    assert sched.blocks.num_cached == 4 and sched.blocks.num_free == 6
+    run_to_end(sched, seq(list(range(200, 233)), name="c"))  # needs 3 pages: a's partial page, then a's named ones
+    assert evicted[:2] == [16, 0]  # a's tail page goes before its head
+    hit = seq(list(range(100, 133)), name="b2")
+    sched.add(hit)
+    sched.schedule()
+    assert hit.num_cached == 32  # b, used later than a, survived
+
+
+def test_shared_pages_are_counted_and_freed_once():
+    sched = make(num_blocks=8)
+    run_to_end(sched, seq(list(range(40))))
+    a, b = seq(list(range(40)) + [1], name="a"), seq(list(range(40)) + [2], name="b")
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    assert a.block_table[:2] == b.block_table[:2]  # the same physical pages
+    assert sched.blocks.ref[a.block_table[0]] == 2
+    sched.finish(a, "stop")
+    sched.finish(b, "stop")
+    assert sched.blocks.num_free == 8
+
+
+@pytest.fixture(scope="module")
+def conversation(engine):
+    tok = engine.tokenizer
+    turn1 = [{"role": "user", "content": "Name three colours."}]
+    ids1 = tok.apply_chat_template(turn1)
+    out1 = engine.generate_sync(ids1, SamplingParams(max_tokens=40, temperature=0))
+    turn2 = turn1 + [{"role": "assistant", "content": out1.text},
+                     {"role": "user", "content": "Now name three animals."}]
+    return ids1 + out1.token_ids, tok.apply_chat_template(turn2)
+
+
+def test_next_turn_prefills_only_the_new_tokens(engine, conversation):
+    history, ids2 = conversation
+    shared = next(i for i, (a, b) in enumerate(zip(history + [-1], ids2)) if a != b)
+    assert shared > 40  # the template re-renders the first turn and the answer token for token
+    params = SamplingParams(max_tokens=24, temperature=0)
+    out = engine.generate_sync(ids2, params)
+    assert out.cached_tokens == shared // S * S
+    engine.scheduler.prefix_caching = False
+    try:
+        uncached = engine.generate_sync(ids2, params)
+    finally:
+        engine.scheduler.prefix_caching = True
+    assert uncached.cached_tokens == 0
+    assert out.token_ids == uncached.token_ids  # reused KV gives the same answer as recomputed KV
+
+
+def test_other_tenant_gets_no_hit(engine, conversation):
+    _, ids2 = conversation
+    params = SamplingParams(max_tokens=4, temperature=0)
+    engine.generate_sync(ids2, params, tenant="key-a")
+    assert engine.generate_sync(ids2, params, tenant="key-b").cached_tokens == 0
+    assert engine.generate_sync(ids2, params, tenant="key-a").cached_tokens > 0
