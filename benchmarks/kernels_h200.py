@@ -28,7 +28,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--ops", nargs="*", help="only these ops")
+    parser.add_argument("--name", default="kernels-h200", help="file name prefix of the results")
     args = parser.parse_args()
+    out = Path(args.out)
     load_ops()
     assert torch.cuda.is_available(), "this script measures the GPU"
     stamp = datetime.date.today().isoformat()
@@ -60,10 +62,10 @@ def main() -> int:
         sections += [f"## {op}: {'correct' if ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s)", "", "```",
                      str(small), *([str(large)] if large else []), "", table(results), "```", ""]
         print(f"{op}: {'correct' if ok else 'FAILED'}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"kernels-h200-{stamp}.md").write_text("\n".join(header + sections))
-    (out / f"kernels-h200-{stamp}.json").write_text(json.dumps(rows, indent=1))
+        # written after every op, so a run cut short by a time limit keeps what it measured
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.name}-{stamp}.md").write_text("\n".join(header + sections))
+        (out / f"{args.name}-{stamp}.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(header + sections))
     return 1 if failures else 0
 

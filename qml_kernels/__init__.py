@@ -19,6 +19,8 @@ OP_MODULES = (
     "qml_kernels.gguf_dequant",
     "qml_kernels.sampling",
     "qml_kernels.attention",
+    "qml_kernels.attention_decode",
+    "qml_kernels.attention_prefill",
     "qml_kernels.linear",
 )
 

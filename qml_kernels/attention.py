@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qml_kernels.registry import dispatch, register
+
 
 @dataclass
 class AttentionMetadata:
@@ -124,9 +126,31 @@ def paged_attention_ref(
     return out
 
 
-def kv_write(k, v, k_cache, v_cache, slot_mapping) -> None:
-    kv_write_ref(k, v, k_cache, v_cache, slot_mapping)
+kv_write = kv_write_ref  # torch's index_copy_ is one scatter kernel on the GPU already
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, sinks=None, softcap=None, out=None):
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, sinks, softcap, out)
+def _kernel_for(meta: AttentionMetadata, q: torch.Tensor):
+    """The Triton kernel module for this batch: split-KV decode when every sequence brings one
+    token, the varlen flash-attention kernel otherwise (imported here: both import this module)."""
+    if meta.is_decode and q.shape[0] == meta.num_seqs:
+        from qml_kernels import attention_decode as module
+    else:
+        from qml_kernels import attention_prefill as module
+    return module
+
+
+def _paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window=None, sinks=None, softcap=None,
+                            out=None):
+    module = _kernel_for(meta, q)
+    launch = getattr(module, "paged_decode_attention_triton", None) or module.paged_prefill_attention_triton
+    return launch(q, k_cache, v_cache, meta, scale, sliding_window, sinks, softcap, out)
+
+
+def _triton_supports(q, k_cache, v_cache, meta, *args, **kwargs) -> bool:
+    return _kernel_for(meta, q)._supported(q, k_cache, v_cache, meta, *args, **kwargs)
+
+
+register("kv_write", "reference", kv_write_ref)
+register("paged_attention", "reference", paged_attention_ref)
+register("paged_attention", "triton", _paged_attention_triton, devices=("cuda",), supports=_triton_supports)
+paged_attention = dispatch("paged_attention")

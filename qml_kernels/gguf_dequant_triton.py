@@ -73,7 +73,7 @@ class DequantConfig:
     """Launch tunables, one setting for every type (it counts values, not blocks)."""
 
     # output values per program: 64 blocks of 32 or 8 super-blocks of 256, 16 values per
-    # thread; measured fastest on the H200 for most types (benchmarks/results/sweep-h200-2026-11-30.md)
+    # thread; measured fastest on the H200 for most types (benchmarks/results/sweep-h200-all-2026-11-30.md)
     values_per_program: int = 2048
     num_warps: int = 4  # the kernels have no loop, so there are no pipeline stages to tune
 

@@ -120,7 +120,7 @@ class RopeConfig:
     """Launch tunables. ``block_h=None`` picks the heads per program from the rotary width."""
 
     # heads per program (power of 2); 16 was fastest on the H200 for head_dim 128 in both layouts
-    # (benchmarks/results/sweep-h200-2026-11-30.md); None derives it from the rotary width
+    # (benchmarks/results/sweep-h200-all-2026-11-30.md); None derives it from the rotary width
     block_h: int | None = 16
     num_warps: int = 4
 

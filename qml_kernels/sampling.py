@@ -135,7 +135,9 @@ def _sample_kernel(logits_ptr, stride_b, V, temperature_ptr, top_k_ptr, top_p_pt
     tau = 0.0
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
     if temperature > 0:
-        scale = tl.minimum(1.4426950408889634 / temperature, 1e30)  # an underflowing T must not give 0 * inf
+        # div_rn: `/` compiles to an approximate division (2 ulp), and the cut must agree with torch's d
+        # to the last bit; the minimum keeps an underflowing T from giving 0 * inf
+        scale = tl.minimum(tl.math.div_rn(tl.full((), 1.4426950408889634, tl.float32), temperature), 1e30)
         top_k = tl.load(top_k_ptr + row)
         top_p = tl.load(top_p_ptr + row).to(tl.float32)
         min_p = tl.load(min_p_ptr + row).to(tl.float32)

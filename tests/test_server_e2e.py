@@ -92,7 +92,12 @@ def test_usage_counts(client, model_id, engine):
     assert r.usage.prompt_tokens == prompt
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
     assert r.usage.total_tokens == prompt + 5
-    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # the same request again finds its prompt's full pages in the prefix cache (all but the last token)
+    again = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Tell me a story."}],
+                                           max_tokens=5, temperature=0)
+    block = 16
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // block * block
+    assert again.choices[0].message.content == r.choices[0].message.content
 
 
 def test_completions_endpoint(client, model_id, engine):

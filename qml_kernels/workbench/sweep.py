@@ -7,6 +7,7 @@ from dataclasses import fields
 from typing import Any
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from qml_kernels.workbench.bench import BenchResult, bench
 from qml_kernels.workbench.check import check
@@ -29,9 +30,12 @@ def sweep(op: str, configs: list[Any], cases: list[Case] | None = None, dtype: t
     """(config, result) for every config that passes the op's check on its small cases, on each case."""
     rows = []
     for config in configs:
-        if not check(op, impl, dtypes=[dtype], config=config).ok:
-            continue  # a fast wrong config is not a candidate
-        rows += [(config, r) for r in bench(op, impl, cases=cases, dtype=dtype, config=config)]
+        try:
+            if not check(op, impl, dtypes=[dtype], config=config).ok:
+                continue  # a fast wrong config is not a candidate
+            rows += [(config, r) for r in bench(op, impl, cases=cases, dtype=dtype, config=config)]
+        except OutOfResources:
+            continue  # more shared memory or registers than the GPU has: not a candidate either
     return rows
 
 
