@@ -16,6 +16,7 @@ OP_MODULES = (
     "qml_kernels.rmsnorm",
     "qml_kernels.activations",
     "qml_kernels.rope",
+    "qml_kernels.rope_kv_write",
     "qml_kernels.gguf_dequant",
     "qml_kernels.sampling",
     "qml_kernels.attention",

@@ -51,12 +51,17 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int = 0  # 0: derive from kv_cache_bytes
     enable_prefix_caching: bool = True
+    host_bytes: int = 0  # host-RAM tier budget (0: none)
+    disk_dir: str | None = None  # disk tier directory (None: none); survives restarts
+    disk_bytes: int = 0  # disk tier budget
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_blocks < 0:
-            raise ValueError("num_blocks must be >= 0")
+        if self.num_blocks < 0 or self.host_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("num_blocks, host_bytes and disk_bytes must be >= 0")
+        if self.disk_dir is not None and self.disk_bytes <= 0:
+            raise ValueError("a disk tier needs a positive byte budget")
 
 
 @dataclass(frozen=True)

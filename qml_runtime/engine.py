@@ -14,6 +14,7 @@ import logging
 import queue
 import random
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -24,6 +25,9 @@ from qml_runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from qml_runtime.detokenizer import IncrementalDetokenizer
 from qml_runtime.kv.block_manager import BlockManager
 from qml_runtime.kv.cache import KVCache
+from qml_runtime.kv.disk_store import DiskStore
+from qml_runtime.kv.host_tier import HostTier
+from qml_runtime.kv.tiers import KVTiers
 from qml_runtime.runner import ModelRunner
 from qml_runtime.sampling_params import InvalidParameter, RequestOutput, SamplingParams
 from qml_runtime.scheduler import Scheduler
@@ -58,7 +62,10 @@ class Engine:
         if self.context_length < (context_length or model_config.context_length):
             log.warning("context length capped at %d tokens: that is all the KV cache holds", capacity)
         self.blocks = BlockManager(cache.num_blocks, cache.block_size)
-        self.scheduler = Scheduler(scheduler, self.blocks, fingerprint, cache.enable_prefix_caching)
+        self.tiers = self._make_tiers(cache, fingerprint)
+        if self.tiers is not None:
+            self.blocks.on_evict = self.tiers.spill
+        self.scheduler = Scheduler(scheduler, self.blocks, fingerprint, cache.enable_prefix_caching, self.tiers)
         self.runner = ModelRunner(model, self.kv, device)
         self._info = dict(info or {})
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -67,6 +74,18 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._observe_queue_time: Callable[[float], None] | None = None
+
+    def _make_tiers(self, cache: CacheConfig, fingerprint: bytes) -> KVTiers | None:
+        if not cache.enable_prefix_caching or (cache.host_bytes == 0 and cache.disk_dir is None):
+            return None
+        host = HostTier(self.kv.block_bytes, cache.host_bytes, pin=self.device.type == "cuda") \
+            if cache.host_bytes else None
+        disk = DiskStore(cache.disk_dir, fingerprint, cache.disk_bytes) if cache.disk_dir else None
+        if disk is not None:
+            log.info("disk KV tier at %s: %d blocks (%.2f GiB) found from earlier runs", cache.disk_dir,
+                     len(disk), disk.bytes_used / 2**30)
+        return KVTiers(self.kv, host, disk)
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -82,10 +101,56 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self.tiers is not None:
+            self.tiers.close()  # the last writes reach the disk before the process goes
 
     def info(self) -> dict:
         return {**self._info, "context_length": self.context_length,
                 "kv_cache_tokens": self.blocks.num_blocks * self.blocks.block_size}
+
+    def stats(self) -> dict:
+        """A snapshot for /metrics and the server's queue bound (qml_server.metrics has the keys).
+
+        Cheap and safe from any thread: sizes and counters the engine thread updates, read
+        without a lock, so a value may be one step old.
+        """
+        tiers = {"gpu": self.blocks.num_cached * self.kv.block_bytes}  # content-named pages: reusable KV
+        if self.tiers is not None and self.tiers.host is not None:
+            tiers["host"] = self.tiers.host.bytes_used
+        if self.tiers is not None and self.tiers.disk is not None:
+            tiers["disk"] = self.tiers.disk.bytes_used
+        restores = {}
+        if self.tiers is not None:
+            t = self.tiers.stats
+            restores = {"kv_restored_blocks": {"host": t.restored_host, "disk": t.restored_disk},
+                        "kv_spilled_blocks": {"host": t.spilled_host, "disk": t.written_disk},
+                        "kv_recomputed_blocks": t.skipped_disk, "kv_restore_seconds": t.restore_seconds}
+        return {
+            **restores,
+            "num_requests_running": len(self.scheduler.running),
+            # the inbox counts as waiting, so a burst is seen before the loop wakes
+            "num_requests_waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
+            "kv_cache_usage": self.blocks.usage,
+            "prefix_cache_queries": self.scheduler.prefix_queries,
+            "prefix_cache_hits": self.scheduler.prefix_hits,
+            "kv_tier_bytes": tiers,
+        }
+
+    def set_queue_time_observer(self, observe: Callable[[float], None] | None) -> None:
+        """``observe(seconds)`` is called on the engine thread once per request, when it is first
+        scheduled, with the time since it was submitted. None removes it."""
+        self._observe_queue_time = observe
+
+    def _note_first_scheduled(self, seqs: list[Sequence]) -> None:
+        now = time.monotonic()
+        for seq in seqs:
+            if seq.first_scheduled_time is None:  # a preempted sequence coming back is not counted again
+                seq.first_scheduled_time = now
+                if self._observe_queue_time is not None:
+                    try:
+                        self._observe_queue_time(now - seq.arrival_time)
+                    except Exception:  # metrics never stop the loop
+                        log.exception("the queue time observer failed")
 
     # --- requests ---------------------------------------------------------------------
 
@@ -170,12 +235,21 @@ class Engine:
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
-            batch = self.scheduler.schedule()
+            try:
+                batch = self.scheduler.schedule()
+            except Exception as exc:  # a scheduler bug must not kill the loop, nor hang the requests
+                log.exception("scheduling failed; failing %d request(s)", len(self._seqs))
+                for seq in list(self._seqs.values()):
+                    self._fail(seq, exc)
+                continue
             if not batch:
                 # nothing running and the head of the queue does not fit: it never will
                 seq = self.scheduler.waiting[0]
                 self._fail(seq, MemoryError("the KV cache cannot hold this request"))
                 continue
+            self._note_first_scheduled(batch.seqs)
+            prefill = sum(n for n in batch.num_tokens if n > 1)
+            t0 = time.perf_counter()
             try:
                 tokens = self.runner.step(batch)
             except Exception as exc:  # a failed step fails its requests, not the server
@@ -183,6 +257,9 @@ class Engine:
                 for seq in batch.seqs:
                     self._fail(seq, exc)
                 continue
+            if self.tiers is not None and prefill >= 64:
+                # the rate the restore planner weighs copying KV in against
+                self.tiers.planner.observe("prefill", prefill, time.perf_counter() - t0)
             for seq in batch.seqs:
                 self.scheduler.commit(seq)  # before any finishes: its pages are named, then released
             for seq, token in zip(batch.seqs, tokens):
@@ -225,6 +302,11 @@ class Engine:
             self._finish(seq, reason, text, [token])
 
     def _finish(self, seq: Sequence, reason: str, text: str, tokens: list[int] | None = None) -> None:
+        if self.tiers is not None and reason in ("stop", "length"):
+            # the conversation so far goes to disk in the background: a later turn, even after a
+            # restart, finds it there
+            named = ((page, self.blocks.named(page)) for page in seq.block_table)
+            self.tiers.persist([(page, *nt) for page, nt in named if nt is not None])
         if seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, reason)
         if reason != "abort":

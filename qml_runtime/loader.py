@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import os
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -16,6 +18,7 @@ from qml_runtime.config import CacheConfig, SchedulerConfig
 from qml_runtime.engine import Engine
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.prefix import model_fingerprint
+from qml_runtime.presets import is_preset, load_preset_engine
 from qml_runtime.tokenizer import Tokenizer
 from qml_runtime.weights.gguf import GGUFFile
 from qml_runtime.weights.hf import HFFolder
@@ -86,17 +89,56 @@ def _kv_blocks(model_config, block_size: int, dtype, device: torch.device, kv_ca
     return max(1, int(budget // per_block))
 
 
+def resolve_dtype(dtype: str, dev: torch.device) -> torch.dtype:
+    return {"auto": torch.float32 if dev.type == "cpu" else torch.bfloat16, "float32": torch.float32,
+            "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def cache_config(block_size: int, num_blocks: int, enable_prefix_caching: bool, dev: torch.device,
+                 kv_host_gib: float | None, kv_disk_dir: str | None, kv_disk_gib: float | None) -> CacheConfig:
+    """The KV pool and its lower tiers, with budgets defaulting from the machine.
+
+    Host RAM: on a GPU machine, a quarter of the RAM up to 64 GiB (the pages it holds come back
+    at ~55 GB/s); on CPU none by default, since the pages already live in host RAM. Disk: only
+    with a directory, then half of its free space up to 256 GiB.
+    """
+    if kv_host_gib is None:
+        kv_host_gib = min(64.0, _ram_gib() / 4) if dev.type == "cuda" else 0.0
+    disk_bytes = 0
+    if kv_disk_dir is not None:
+        Path(kv_disk_dir).mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(kv_disk_dir).free
+        disk_bytes = int(kv_disk_gib * 2**30) if kv_disk_gib is not None else int(min(256 * 2**30, free / 2))
+    return CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
+                       host_bytes=int(kv_host_gib * 2**30), disk_dir=kv_disk_dir, disk_bytes=disk_bytes)
+
+
+def _ram_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
 def load_engine(model: str | None = None, device: str = "auto", max_model_len: int | None = None,
                 served_model_name: str | None = None, dtype: str = "auto", kv_cache_gib: float | None = None,
                 block_size: int = 16, max_batched_tokens: int = 2048, max_num_seqs: int = 64,
-                enable_prefix_caching: bool = True, progress: bool = True) -> Engine:
-    """Load a model and build the engine around it (the engine is not started)."""
+                enable_prefix_caching: bool = True, progress: bool = True, random_weights: bool = False,
+                kv_host_gib: float | None = None, kv_disk_dir: str | None = None,
+                kv_disk_gib: float | None = None) -> Engine:
+    """Load a model and build the engine around it (the engine is not started).
+
+    ``model="preset:<name>"`` with ``random_weights=True``: a preset shape with random weights
+    (qml_runtime.presets), for speed measurements.
+    """
+    tiers = dict(kv_host_gib=kv_host_gib, kv_disk_dir=kv_disk_dir, kv_disk_gib=kv_disk_gib)
+    if random_weights or is_preset(model):
+        return load_preset_engine(model, random_weights, device=device, max_model_len=max_model_len,
+                                  served_model_name=served_model_name, dtype=dtype, kv_cache_gib=kv_cache_gib,
+                                  block_size=block_size, max_batched_tokens=max_batched_tokens,
+                                  max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, **tiers)
     path = Path(model) if model else find_default_model()
     if not path.exists():
         raise ModelNotFound(f"model path {str(path)!r} does not exist")
     dev = resolve_device(device)
-    torch_dtype = {"auto": torch.float32 if dev.type == "cpu" else torch.bfloat16, "float32": torch.float32,
-                   "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    torch_dtype = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
     if path.is_dir():
         source = HFFolder(path)
@@ -126,8 +168,7 @@ def load_engine(model: str | None = None, device: str = "auto", max_model_len: i
     # KV bytes depend on the weights, the model's shape, the dtype and the page size
     fingerprint = model_fingerprint(weights_identity(path), cfg, str(torch_dtype), block_size)
     engine = Engine(net, tokenizer, cfg, model_id=served_model_name or path.stem, device=dev, dtype=torch_dtype,
-                    cache=CacheConfig(block_size=block_size, num_blocks=blocks,
-                                      enable_prefix_caching=enable_prefix_caching),
+                    cache=cache_config(block_size, blocks, enable_prefix_caching, dev, **tiers),
                     scheduler=SchedulerConfig(max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs),
                     context_length=max_model_len, info=info, fingerprint=fingerprint)
     log.info("loaded %s in %.1f s: architecture=%s parameters=%.1fM quant=%s context=%d device=%s dtype=%s "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from qml_runtime.config import SchedulerConfig
 from qml_runtime.kv.block_manager import BlockManager
 from qml_runtime.kv.prefix import ROOT, block_hash
+from qml_runtime.kv.tiers import KVTiers
 from qml_runtime.sequence import Sequence, Status
 
 
@@ -36,9 +37,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, fingerprint: bytes = b"",
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, tiers: KVTiers | None = None):
         self.config = config
         self.blocks = blocks
+        self.tiers = tiers
         self.fingerprint = fingerprint
         self.prefix_caching = prefix_caching
         self.waiting: deque[Sequence] = deque()
@@ -69,11 +71,10 @@ class Scheduler:
         budget = self.config.max_batched_tokens - sum(batch.num_tokens)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self._admit(seq, budget):
+            n = self._admit(seq, budget)
+            if n == 0:
                 break  # keep arrival order: nobody overtakes the head of the queue
-            n = min(seq.num_uncomputed, budget)
             self.waiting.popleft()
-            self.blocks.grow(seq.block_table, seq.num_computed + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -81,26 +82,60 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _admit(self, seq: Sequence, budget: int) -> bool:
-        """Put the cached prefix of ``seq`` under it and check its first chunk fits; False: wait."""
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Put the cached prefix of ``seq`` under it and pages for its first chunk; returns the
+        chunk's token count, or 0 if it does not fit (it waits).
+
+        The prefix is the run of full blocks found on GPU pages, continued by blocks found
+        in host RAM or on disk (copied into fresh pages) while that beats recomputing them.
+        """
         pages = self._cached_prefix(seq) if self.prefix_caching else []
+        below = self._restorable(seq, len(pages)) if self.prefix_caching and self.tiers else []
         S = self.blocks.block_size
-        computed = len(pages) * S
+        computed = (len(pages) + len(below)) * S
         n = min(seq.num_tokens - computed, budget)
         # pages found in the cache but free right now leave the free list when taken
         reclaimed = sum(1 for p in pages if self.blocks.ref[p] == 0)
-        if self.blocks.blocks_needed(pages, computed + n) > self.blocks.num_free - reclaimed:
-            return False
+        need = -(-(computed + n) // S) - len(pages)
+        if need > self.blocks.num_free - reclaimed:
+            return 0
         for page in pages:
             self.blocks.acquire(page)
+        on_gpu = len(pages)
         seq.block_table = pages
+        self.blocks.grow(seq.block_table, computed)  # fresh pages for the restored blocks
+        for j, (tier, name, tokens) in enumerate(below):
+            page = seq.block_table[on_gpu + j]
+            if not self.tiers.restore(tier, name, tokens, page):
+                computed = (on_gpu + j) * S  # missing or damaged after all: compute from here
+                break
+            self.blocks.register(page, name, tokens)
         seq.num_computed = computed
-        seq.num_committed = len(pages)
+        seq.num_committed = computed // S
         if not seq.admitted:
             seq.admitted, seq.num_cached = True, computed
             self.prefix_queries += seq.num_prompt_tokens
             self.prefix_hits += computed
-        return True
+        # a failed restore leaves more to compute than planned: the chunk stops where pages run out
+        room = (len(seq.block_table) + self.blocks.num_free) * S - computed
+        n = min(seq.num_tokens - computed, budget, room)
+        if n <= 0:
+            self.blocks.release(seq.block_table)  # named pages stay cached: the next try finds them
+            seq.num_computed = seq.num_committed = 0
+            return 0
+        self.blocks.grow(seq.block_table, computed + n)
+        return n
+
+    def _restorable(self, seq: Sequence, start: int) -> list[tuple[str, bytes, tuple[int, ...]]]:
+        """(tier, name, tokens) of the blocks after ``start`` that the lower tiers hold, in order."""
+        found = []
+        for i in range(start, (seq.num_tokens - 1) // self.blocks.block_size):
+            name, tokens = self._name(seq, i)
+            tier = self.tiers.locate(name, tokens)
+            if tier is None:
+                break
+            found.append((tier, name, tokens))
+        return found
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Pages holding the longest cached run of ``seq``'s full blocks, at least one token short of

@@ -37,6 +37,7 @@ class Sequence:
         self.seed = seed  # with the step (num_output_tokens), keys this request's random stream in the sampler
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.first_scheduled_time: float | None = None  # set by the engine at the first step that runs it
 
     @property
     def num_tokens(self) -> int:

@@ -14,9 +14,11 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
+from qml_server.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from qml_server.auth import ApiKeyMiddleware
 from qml_server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
 from qml_server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
+from qml_server.metrics import ServerMetrics, metrics_endpoint
 from qml_server.routes_chat import chat_completions
 from qml_server.routes_completions import completions
 from qml_server.routes_models import health, list_models, retrieve_model
@@ -28,20 +30,36 @@ def create_app(
     engine: Any,
     api_keys: Iterable[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS,
 ) -> Starlette:
     """Build the OpenAI-compatible app serving ``engine``.
 
     ``engine`` is duck-typed (qml_runtime.engine.Engine or a test fake): model_id,
-    context_length, tokenizer, generate(), info(), start(), shutdown(). The engine
+    context_length, tokenizer, generate(), info(), start(), shutdown(); optionally
+    stats() and set_queue_time_observer() (qml_server.metrics), without which /metrics
+    lacks the engine's gauges and ``max_queued_requests`` is not enforced. The engine
     is started and shut down by the app's lifespan. With ``api_keys`` non-empty,
-    /v1/* requires one of them as a bearer token.
+    /v1/* requires one of them as a bearer token. ``max_queued_requests`` bounds the
+    requests waiting in the engine (None: unbounded); past it, 503 + Retry-After.
     """
     keys = tuple(k for k in api_keys if k)
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
 
+    engine_stats = getattr(engine, "stats", None)
+    if not callable(engine_stats):
+        engine_stats = None
+        log.info("the engine has no stats(): /metrics has no engine gauges and the queue is unbounded")
+    metrics = ServerMetrics(engine.model_id, engine_stats)
+    admission = Admission(engine_stats, max_queued_requests, metrics)
+    set_observer = getattr(engine, "set_queue_time_observer", None)
+    if callable(set_observer):
+        # one observer per engine: the last app built over it gets the queue times
+        set_observer(metrics.observe_queue_time)
+
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -72,6 +90,8 @@ def create_app(
     app.state.engine = engine
     app.state.started_at = int(time.time())
     app.state.auth_enabled = bool(keys)
+    app.state.metrics = metrics
+    app.state.admission = admission
     return app
 
 

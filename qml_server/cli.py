@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from qml_server.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from qml_server.auth import keys_from_env
 from qml_server.limits import DEFAULT_MAX_BODY_BYTES
 
@@ -53,6 +54,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"not a number >= 0: {text!r}")
+    return value
+
+
 def port_number(text: str) -> int:
     try:
         value = int(text)
@@ -75,6 +86,14 @@ def log_level(text: str) -> str:
     return text.lower()
 
 
+def env_bool(text: str) -> bool:
+    if text.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r} (use 1/0, true/false, yes/no, on/off)")
+
+
 def env_name(flag: str) -> str:
     return "QML_" + flag.lstrip("-").upper().replace("-", "_")
 
@@ -91,7 +110,11 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         description="Serve a model over an OpenAI-compatible HTTP API.",
     )
     flag = _flag_adder(serve, env)
-    flag("--model", help="a .gguf file or a Hugging Face model folder (default: the embedded model)")
+    flag("--model", help="a .gguf file, a Hugging Face model folder, or preset:NAME with --random-weights "
+                         "(default: the embedded model)")
+    flag("--random-weights", action="store_true",
+         help="serve a preset (preset:llama-3.1-8b, preset:tiny-llama) at its real shapes with random weights, "
+              "for speed measurements; its output is noise")
     flag("--host", default="127.0.0.1", help="address to listen on")
     flag("--port", type=port_number, default=8000, help="port to listen on")
     flag(
@@ -106,6 +129,12 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
          help="weights, activations and KV cache (auto: float32 on CPU, bfloat16 on GPU)")
     flag("--kv-cache-gib", type=positive_float,
          help="KV cache size in GiB (default: 1 on CPU, 85%% of free memory on GPU)")
+    flag("--no-prefix-caching", action="store_true",
+         help="compute every prompt in full: no reuse of KV pages across requests, and no KV tiers")
+    flag("--kv-host-gib", type=non_negative_float,
+         help="host-RAM tier for KV pages pushed off the GPU (default: a quarter of RAM up to 64 on GPU, 0 on CPU)")
+    flag("--kv-disk-dir", help="directory of the disk KV tier, which survives restarts (default: no disk tier)")
+    flag("--kv-disk-gib", type=positive_float, help="disk tier budget (default: half the free space, up to 256)")
     flag("--max-num-seqs", type=positive_int, default=64, help="sequences decoded together at most")
     flag("--max-batched-tokens", type=positive_int, default=2048,
          help="tokens computed in one step; longer prompts are prefilled in chunks of this size")
@@ -115,10 +144,30 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         default=DEFAULT_MAX_BODY_BYTES,
         help="largest request body accepted; bigger ones get 413 (accepts 32MiB etc.)",
     )
+    flag("--max-queued-requests", type=positive_int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+         help="requests waiting in the engine at most; past it new ones get 503 with Retry-After")
     flag("--log-level", type=log_level, default="info", help="|".join(LOG_LEVELS))
     # QML_API_KEY is the twin of the repeatable --api-key; kept apart so flags replace it.
     serve.set_defaults(run=serve_command, env_api_keys=keys_from_env(env.get("QML_API_KEY")))
+
+    from qml_server import bench as bench_module  # imported here: it takes its flag types from this module
+
+    bench = commands.add_parser("bench", help="benchmark a model or a server", description="Benchmarks.")
+    bench.set_defaults(run=lambda _: _usage(bench))
+    bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    bench_serve = bench_commands.add_parser(
+        "serve",
+        help="TTFT per prompt size and decode ms/token of a running server, over the OpenAI chat API",
+        description=(bench_module.__doc__ or "").split("\n\n")[0],
+    )
+    bench_module.add_arguments(bench_serve)
+    bench_serve.set_defaults(run=bench_module.bench_serve_command)
     return parser
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
 
 
 def _flag_adder(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> Callable[..., None]:
@@ -133,7 +182,7 @@ def _flag_adder(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> Call
         # Repeatable flags (--api-key) are merged by hand: an `append` default would be
         # extended by the flags instead of replaced by them.
         if raw and kwargs.get("action") != "append":
-            convert = kwargs.get("type", str)
+            convert = env_bool if kwargs.get("action") == "store_true" else kwargs.get("type", str)
             try:
                 kwargs["default"] = convert(raw)
             except argparse.ArgumentTypeError as exc:
@@ -171,6 +220,9 @@ def serve_command(args: argparse.Namespace) -> int:
             kv_cache_gib=args.kv_cache_gib,
             max_num_seqs=args.max_num_seqs,
             max_batched_tokens=args.max_batched_tokens,
+            **({"random_weights": True} if args.random_weights else {}),
+            **({"enable_prefix_caching": False} if args.no_prefix_caching else {}),
+            **{k: v for k in ("kv_host_gib", "kv_disk_dir", "kv_disk_gib") if (v := getattr(args, k)) is not None},
         )
     except (ModelNotFound, ValueError, OSError) as exc:  # bad path, bad file, unsupported model: no traceback
         print(f"qml serve: {exc}", file=sys.stderr)
@@ -180,7 +232,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     from qml_server.app import create_app
 
-    app = create_app(engine, api_keys=api_keys, max_body_bytes=args.max_body_bytes)
+    app = create_app(engine, api_keys=api_keys, max_body_bytes=args.max_body_bytes,
+                     max_queued_requests=args.max_queued_requests)
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info(
         "serving %s on http://%s:%d/v1 (API key %s, body limit %d bytes)",

@@ -108,6 +108,18 @@ def context_length_exceeded(prompt_tokens: int, max_tokens: int | None, context_
     )
 
 
+def queue_full(limit: int, retry_after_s: int) -> ApiError:
+    # 503 + Retry-After: the official client retries it after that delay (SGLang and vLLM
+    # answer a full queue the same way; TGI's 429 would read as a per-key rate limit).
+    return ApiError(
+        503,
+        f"The server is overloaded: {limit} requests are already waiting. Retry in {retry_after_s} s.",
+        type="server_error",
+        code="queue_full",
+        headers={"retry-after": str(retry_after_s)},
+    )
+
+
 def internal_error(request_id: str | None = None) -> ApiError:
     where = f" (request {request_id})" if request_id else ""
     return ApiError(

@@ -92,6 +92,27 @@ async def _gather(stream: EngineStream) -> Finished:
         await close_quietly(stream)
 
 
+def start_generation(
+    request: Request, prompt_ids: list[int], params: SamplingParams, request_id: str, started: float,
+    cache_salt: str | None = None,
+) -> EngineStream:
+    """Admit the request (503 when the engine's queue is full) and open its engine stream.
+
+    The stream is measured for /metrics from ``started``, the ``time.monotonic()`` at
+    which the request reached the handler. Nothing reaches the engine until the stream
+    is first advanced.
+    """
+    state = request.app.state
+    state.admission.check()
+    # the authenticated key's tenant salts the KV cache: tenants never reuse each other's pages;
+    # a request's own cache_salt narrows that further (within its tenant, never across)
+    tenant = getattr(request.state, "tenant", None)
+    if cache_salt:
+        tenant = f"{tenant or ''}\x00{cache_salt}"
+    stream = state.engine.generate(prompt_ids, params, request_id, tenant=tenant)
+    return state.metrics.track(stream, started)
+
+
 def usage(out: RequestOutput) -> dict[str, Any]:
     return {
         "prompt_tokens": out.prompt_tokens,

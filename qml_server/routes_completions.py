@@ -12,13 +12,21 @@ from starlette.responses import JSONResponse, Response
 
 from qml_server.errors import api_endpoint, bad_request
 from qml_server.fields import read_json_object
-from qml_server.generation import collect, first_output, log_request, sse_completion_events, usage
+from qml_server.generation import (
+    collect,
+    first_output,
+    log_request,
+    sse_completion_events,
+    start_generation,
+    usage,
+)
 from qml_server.schemas import check_model, parse_completion_request, resolve_max_tokens
 from qml_server.sse import EventStreamResponse
 
 
 @api_endpoint
 async def completions(request: Request) -> Response:
+    started = time.monotonic()
     engine = request.app.state.engine
     req = parse_completion_request(await read_json_object(request))
     check_model(req.model, engine.model_id)
@@ -30,8 +38,7 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     head = {"id": request_id, "object": "text_completion", "created": created, "model": engine.model_id}
     log_request(request_id, len(prompt_ids), params, req.stream)
-    # the authenticated key's tenant salts the KV cache: tenants never reuse each other's pages
-    stream = engine.generate(prompt_ids, params, request_id, tenant=getattr(request.state, "tenant", None))
+    stream = start_generation(request, prompt_ids, params, request_id, started, req.cache_salt)
 
     if req.stream:
         first = await first_output(request, stream)

@@ -72,7 +72,8 @@ _UNSUPPORTED_COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
     "repetition_penalty": _UNSUPPORTED_CHAT["repetition_penalty"],
 }
 
-_GENERAL = {"model", "stream", "stream_options", "presence_penalty", "frequency_penalty"}
+# cache_salt (as in vLLM): requests with different salts never share cached KV pages
+_GENERAL = {"model", "stream", "stream_options", "presence_penalty", "frequency_penalty", "cache_salt"}
 _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos"}
 _CHAT_FIELDS = _GENERAL | _SAMPLING | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 _COMPLETION_FIELDS = _GENERAL | _SAMPLING | {"prompt"}
@@ -121,6 +122,7 @@ class ChatRequest:
     include_usage: bool = False
     user: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    cache_salt: str | None = None
 
 
 def parse_chat_request(body: JsonObject) -> ChatRequest:
@@ -149,6 +152,7 @@ def parse_chat_request(body: JsonObject) -> ChatRequest:
         include_usage=include_usage,
         user=opt_str(body, "user"),
         chat_template_kwargs=opt_object(body, "chat_template_kwargs") or {},
+        cache_salt=opt_str(body, "cache_salt"),
     )
 
 
@@ -162,6 +166,7 @@ def parse_completion_request(body: JsonObject) -> CompletionRequest:
         stream=stream,
         include_usage=include_usage,
         user=opt_str(body, "user"),
+        cache_salt=opt_str(body, "cache_salt"),
     )
 
 

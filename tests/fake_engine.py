@@ -4,12 +4,19 @@ Byte-level tokenizer (one token per UTF-8 byte, plus BOS), a toy chat template, 
 a "model" that always answers with the same reply, one token per output, cut at
 max_tokens. It records what it was asked and whether each request ran to its end
 or was closed early (aborted), which is what the disconnect tests check.
+
+Like the real engine it has a queue: with ``max_running`` set, requests beyond it
+wait (in arrival order) for a running one to end, and with ``hold`` the running ones
+stop before their first token until ``release()``; that is how the overload tests
+fill the queue. ``stats()`` and ``set_queue_time_observer()`` follow the contract of
+qml_server.metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from qml_runtime.sampling_params import RequestOutput, SamplingParams
@@ -17,6 +24,7 @@ from qml_runtime.sampling_params import RequestOutput, SamplingParams
 BOS = 256
 VOCAB_SIZE = 257
 REPLY = "Hello! I am a fake engine, answering the same words every time."
+KV_BYTES_PER_TOKEN = 1024  # what the fake pretends one token of K/V costs
 
 
 class FakeTemplateError(ValueError):
@@ -64,6 +72,8 @@ class FakeEngine:
         first_token_delay: float = 0.0,
         fail_at_start: BaseException | None = None,
         fail_after_tokens: int | None = None,
+        max_running: int | None = None,
+        hold: bool = False,
     ) -> None:
         self.model_id = model_id
         self.context_length = context_length
@@ -79,6 +89,13 @@ class FakeEngine:
         self.started = 0
         self.stopped = 0
         self._last_prompt: list[int] = []
+        self.max_running = max_running
+        self.hold = hold
+        self.waiting: list[str] = []  # request ids, in arrival order
+        self.running: dict[str, int] = {}  # request id -> tokens it holds in the "KV cache"
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self._observe_queue_time: Callable[[float], None] | None = None
 
     def start(self) -> None:
         self.started += 1
@@ -96,6 +113,37 @@ class FakeEngine:
             "model_path": "/srv/models/fake.gguf",
         }
 
+    def stats(self) -> dict:
+        capacity = 4 * self.context_length
+        return {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+            "kv_cache_usage": min(1.0, sum(self.running.values()) / capacity),
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
+            "kv_tier_bytes": {"gpu": len(self._last_prompt) * KV_BYTES_PER_TOKEN},
+        }
+
+    def set_queue_time_observer(self, observe: Callable[[float], None] | None) -> None:
+        self._observe_queue_time = observe
+
+    def release(self) -> None:
+        """Let held requests produce their tokens."""
+        self.hold = False
+
+    async def _wait_for_a_slot(self, request_id: str, num_tokens: int) -> None:
+        arrived = time.monotonic()
+        self.waiting.append(request_id)
+        # Polling keeps the fake free of loop-bound primitives: tests drive it from several loops.
+        while self.waiting[0] != request_id or (
+            self.max_running is not None and len(self.running) >= self.max_running
+        ):
+            await asyncio.sleep(0.001)
+        self.waiting.remove(request_id)
+        self.running[request_id] = num_tokens
+        if self._observe_queue_time is not None:
+            self._observe_queue_time(time.monotonic() - arrived)
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str | None = None
     ) -> AsyncIterator[RequestOutput]:
@@ -103,10 +151,15 @@ class FakeEngine:
         # Imitates prefix caching: tokens shared with the previous prompt count as cached.
         cached = _common_prefix(self._last_prompt, prompt_ids)
         self._last_prompt = list(prompt_ids)
+        self.prefix_queries += len(prompt_ids)
+        self.prefix_hits += cached
         done = False
         try:
+            await self._wait_for_a_slot(request_id, len(prompt_ids))
             if self.fail_at_start is not None:
                 raise self.fail_at_start
+            while self.hold:
+                await asyncio.sleep(0.001)
             await asyncio.sleep(self.first_token_delay)
             budget = min(params.max_tokens, self.context_length - len(prompt_ids))
             for produced, token in enumerate(self.reply_ids[:budget], start=1):
@@ -134,6 +187,9 @@ class FakeEngine:
         finally:
             # A real engine aborts here: GeneratorExit (aclose) or CancelledError both land in this finally.
             (self.finished if done else self.aborted).append(request_id)
+            if request_id in self.waiting:
+                self.waiting.remove(request_id)
+            self.running.pop(request_id, None)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

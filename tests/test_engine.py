@@ -132,3 +132,20 @@ def test_context_is_capped_by_the_pool(engine):
             tiny.generate_sync(chat(engine, "hello"), SamplingParams(max_tokens=64))
     finally:
         tiny.shutdown()
+
+
+def test_a_scheduler_error_fails_the_requests_and_the_engine_keeps_serving(engine, monkeypatch):
+    real = engine.scheduler.schedule
+    calls = {"n": 0}
+
+    def broken():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("scheduler bug")
+        return real()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", broken)
+    ids = engine.tokenizer.apply_chat_template(CAPITAL)
+    with pytest.raises(RuntimeError, match="scheduler bug"):
+        engine.generate_sync(ids, GREEDY)
+    assert engine.generate_sync(ids, GREEDY).finish_reason == "stop"

@@ -7,7 +7,7 @@ from qml_runtime.sampling_params import SamplingParams
 
 # dequantization is not among them: the weights are already loaded (and the loader decodes on CPU
 # with the reference); its kernels are checked bit-exact on their own
-TRITON_OPS = ("rmsnorm", "add_rmsnorm", "rope", "swiglu", "paged_attention", "sample")
+TRITON_OPS = ("rmsnorm", "add_rmsnorm", "rope", "rope_kv_write", "swiglu", "paged_attention", "sample")
 
 
 def test_greedy_output_unchanged_with_triton_kernels(engine):

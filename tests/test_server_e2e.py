@@ -22,13 +22,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(smollm_path):
+def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`qml serve` on the embedded model as a real process; returns it and its base URL once healthy."""
     port = free_port()
     env = {**os.environ, "QML_LOG_LEVEL": "warning"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "qml_server", "serve", "--port", str(port), "--device", "cpu",
-         "--max-model-len", "2048"],
+         "--max-model-len", "2048", *flags],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -37,18 +37,26 @@ def server(smollm_path):
             pytest.fail(f"qml serve exited early:\n{proc.stdout.read()}")
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
+                return proc, base
         except httpx.HTTPError:
             time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("qml serve did not become healthy in 180 s")
-    yield base
-    proc.terminate()
+    proc.kill()
+    pytest.fail("qml serve did not become healthy in 180 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()  # SIGTERM: uvicorn runs the shutdown, the engine flushes its KV writes
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(smollm_path):
+    proc, base = start_server()
+    yield base
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +153,37 @@ def test_openai_client_raises_typed_errors(client, model_id):
         client.chat.completions.create(model=model_id, messages=CAPITAL, max_tokens=4096)
     assert err.value.code == "context_length_exceeded"
     normal_request_works(client, model_id)
+
+
+def test_cache_salt_keeps_requests_apart(client, model_id):
+    kw = dict(model=model_id, messages=[{"role": "user", "content": "Summarise the plot of Hamlet."}],
+              max_tokens=2, temperature=0)
+    client.chat.completions.create(**kw, extra_body={"cache_salt": "a"})
+    same = client.chat.completions.create(**kw, extra_body={"cache_salt": "a"})
+    other = client.chat.completions.create(**kw, extra_body={"cache_salt": "b"})
+    assert same.usage.prompt_tokens_details.cached_tokens > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # not even the template's header
+
+
+def test_a_conversation_continues_after_a_server_restart(smollm_path, tmp_path):
+    """Turn 2, sent to a restarted server, prefills only its new tokens: the history comes from disk."""
+    first = [{"role": "user", "content": "Name three colours."}]
+    proc, base = start_server("--kv-disk-dir", str(tmp_path))
+    try:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        model = c.models.list().data[0].id
+        answer = c.chat.completions.create(model=model, messages=first, max_tokens=32, temperature=0)
+    finally:
+        stop_server(proc)
+    second = first + [{"role": "assistant", "content": answer.choices[0].message.content},
+                      {"role": "user", "content": "And three animals?"}]
+    proc, base = start_server("--kv-disk-dir", str(tmp_path))
+    try:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        r = c.chat.completions.create(model=model, messages=second, max_tokens=8, temperature=0)
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        assert cached >= answer.usage.prompt_tokens // 16 * 16  # at least the whole first prompt's pages
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'qml:kv_restored_blocks_total{model_name=' in metrics and 'tier="disk"' in metrics
+    finally:
+        stop_server(proc)

@@ -68,7 +68,8 @@ class CheckReport:
 
 def _upcast(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.float()
+        # always a copy: a reference that writes in place (caches) must not touch the impl's inputs
+        return value.to(torch.float32, copy=True)
     if isinstance(value, dict):
         return {k: _upcast(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):

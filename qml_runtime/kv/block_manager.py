@@ -96,5 +96,7 @@ class BlockManager:
         self._by_name[name] = page
         self._name[page], self._tokens[page] = name, tokens
 
-    def name_of(self, page: int) -> bytes | None:
-        return self._name[page]
+    def named(self, page: int) -> tuple[bytes, tuple[int, ...]] | None:
+        """(name, tokens) of a registered page, else None."""
+        name = self._name[page]
+        return None if name is None else (name, self._tokens[page])

@@ -27,3 +27,20 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one page across all layers, K and V: the unit the lower tiers store."""
+        return self.data[:, :, 0].numel() * self.data.element_size()
+
+    def _page_view(self, buffer: torch.Tensor) -> torch.Tensor:
+        L, two, _, S, Hkv, Dh = self.data.shape
+        return buffer.view(self.data.dtype).view(L, two, S, Hkv, Dh)
+
+    def read_page(self, page: int, dst: torch.Tensor) -> None:
+        """Copy page ``page`` of every layer into ``dst``, a uint8 host buffer of ``block_bytes``."""
+        self._page_view(dst).copy_(self.data[:, :, page])
+
+    def write_page(self, page: int, src: torch.Tensor) -> None:
+        """The inverse of ``read_page``."""
+        self.data[:, :, page].copy_(self._page_view(src))

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from qml_kernels.activations import swiglu
-from qml_kernels.attention import AttentionMetadata, kv_write, paged_attention
+from qml_kernels.attention import AttentionMetadata, paged_attention
 from qml_kernels.linear import linear
 from qml_kernels.rmsnorm import add_rmsnorm, rmsnorm
-from qml_kernels.rope import RopeScaling, rope, rope_cos_sin, rope_inv_freq
+from qml_kernels.rope import RopeScaling, rope_cos_sin, rope_inv_freq
+from qml_kernels.rope_kv_write import rope_kv_write
 from qml_runtime.config import ModelConfig
 from qml_runtime.kv.cache import KVCache
 
@@ -79,11 +80,10 @@ class LlamaModel(nn.Module):
                 x, residual = add_rmsnorm(h, residual, layer.attn_norm, cfg.rms_eps)
             qkv = linear(x, layer.wqkv)  # [T, (H + 2Hkv) Dh]
             q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
-            q, k = q.view(T, H, Dh), k.view(T, Hkv, Dh)
-            rope(q, k, cos, sin, cfg.rope_interleaved, out=(q, k))  # in place, inside the fused qkv buffer
-            v = v.view(T, Hkv, Dh)
+            q, k, v = q.view(T, H, Dh), k.view(T, Hkv, Dh), v.view(T, Hkv, Dh)
             k_cache, v_cache = kv.layer(i)
-            kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+            # one launch: q rotates in place inside the fused qkv buffer, rotated k and v go to their cache slots
+            rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, cfg.rope_interleaved, out=q)
             o = paged_attention(q, k_cache, v_cache, meta, scale)  # [T, H, Dh]
             h = linear(o.reshape(T, H * Dh), layer.wo)  # [T, D]
             x, residual = add_rmsnorm(h, residual, layer.mlp_norm, cfg.rms_eps)

@@ -1,0 +1,146 @@
+"""The KV tiers below the GPU: host RAM and disk, restored by name, surviving an engine restart."""
+
+from __future__ import annotations
+
+import pytest
+
+from qml_runtime.config import CacheConfig, SchedulerConfig
+from qml_runtime.engine import Engine
+from qml_runtime.kv.host_tier import HostTier
+from qml_runtime.kv.tiers import RestorePlanner
+from qml_runtime.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+def test_host_tier_is_lru_and_checks_tokens():
+    host = HostTier(block_bytes=8, budget_bytes=16, pin=False)  # two slots
+    a, _ = host.reserve(b"a", (1,))
+    b, _ = host.reserve(b"b", (2,))
+    assert host.find(b"a", (1,)) == a  # a is now the most recent
+    assert host.find(b"a", (9,)) is None  # same name, other tokens: a collision is a miss
+    c, evicted = host.reserve(b"c", (3,))
+    assert [e[0] for e in evicted] == [b"b"] and c == b  # b's slot, after its bytes are spilled
+    assert host.find(b"b", (2,)) is None and len(host) == 2
+
+
+def test_planner_weighs_copying_against_recomputing():
+    planner = RestorePlanner(prefill_tokens_per_s=30_000, host_bytes_per_s=55e9, disk_bytes_per_s=1.46e9)
+    block, tokens = 2 * 2**20, 16  # a Llama-3.1-8B page on the H200
+    assert planner.worth_restoring("host", block, tokens)
+    assert not planner.worth_restoring("disk", block, tokens)  # 1.4 ms to read vs 0.5 ms to recompute
+    for _ in range(30):
+        planner.observe("prefill", 1000, 1.0)  # a slow machine: 1000 tokens/s
+    assert planner.worth_restoring("disk", block, tokens)
+
+
+def sibling(engine, **cache) -> Engine:
+    cfg = CacheConfig(block_size=16, **cache)
+    eng = Engine(engine.model, engine.tokenizer, engine.model_config, model_id="tiers", device=engine.device,
+                 dtype=engine.dtype, cache=cfg, scheduler=SchedulerConfig(), fingerprint=engine.scheduler.fingerprint)
+    eng.start()
+    return eng
+
+
+def turns(engine):
+    """Run the first turn; returns the second turn's prompt and how many of its tokens a cache can
+    hold from the first (the full pages of the prefix both share)."""
+    tok = engine.tokenizer
+    first = [{"role": "user", "content": "Name three colours."}]
+    ids1 = tok.apply_chat_template(first)
+    answer = engine.generate_sync(ids1, GREEDY)
+    second = first + [{"role": "assistant", "content": answer.text},
+                      {"role": "user", "content": "And three animals?"}]
+    ids2 = tok.apply_chat_template(second)
+    history = ids1 + answer.token_ids
+    shared = next(i for i, (a, b) in enumerate(zip(history + [-1], ids2)) if a != b)
+    return ids2, shared // 16 * 16
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    ids2, _ = turns(engine)
+    engine.scheduler.prefix_caching = False
+    try:
+        return engine.generate_sync(ids2, GREEDY).token_ids
+    finally:
+        engine.scheduler.prefix_caching = True
+
+
+def test_pages_pushed_off_the_gpu_come_back_from_host_ram(engine, expected):
+    eng = sibling(engine, num_blocks=10, host_bytes=64 * 2**20)  # 160 tokens of GPU pages
+    try:
+        ids2, cacheable = turns(eng)
+        for q in ("Describe the sea.", "What is a prime number?", "Tell me about Paris.", "Why is grass green?",
+                  "How do birds fly?"):
+            eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": q}]), GREEDY)
+        assert eng.tiers.stats.spilled_host > 0
+        out = eng.generate_sync(ids2, GREEDY)
+        assert eng.tiers.stats.restored_host > 0 and out.cached_tokens == cacheable >= 32
+        assert out.token_ids == expected
+    finally:
+        eng.shutdown()
+
+
+def test_a_conversation_survives_a_restart_on_disk(engine, expected, tmp_path):
+    first = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    try:
+        ids2, cacheable = turns(first)
+    finally:
+        first.shutdown()  # flushes the writes and releases the store
+    assert first.tiers.stats.written_disk > 0
+    restarted = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    try:
+        out = restarted.generate_sync(ids2, GREEDY)
+        assert restarted.tiers.stats.restored_disk > 0
+        assert out.cached_tokens == cacheable >= 32
+        assert out.token_ids == expected
+        # another tenant finds nothing of it
+        assert restarted.generate_sync(ids2, GREEDY, tenant="someone-else").cached_tokens == 0
+    finally:
+        restarted.shutdown()
+
+
+def test_a_damaged_block_on_disk_is_recomputed_not_an_error(engine, expected, tmp_path):
+    first = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    try:
+        ids2, _ = turns(first)
+    finally:
+        first.shutdown()
+    files = sorted(tmp_path.rglob("*.kvb"))
+    assert files
+    for f in files:  # flip a byte in every payload
+        data = bytearray(f.read_bytes())
+        data[-100] ^= 0xFF
+        f.write_bytes(bytes(data))
+    restarted = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    try:
+        out = restarted.generate_sync(ids2, GREEDY)
+        assert out.token_ids == expected and out.cached_tokens == 0
+        assert restarted.tiers.disk.stats()["corrupt_deleted"] >= 1
+    finally:
+        restarted.shutdown()
+
+
+def test_tier_activity_reaches_the_metrics(engine, tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.testclient import TestClient
+
+    from qml_server.app import create_app
+
+    eng = sibling(engine, num_blocks=10, host_bytes=64 * 2**20)
+    try:
+        ids2, _ = turns(eng)
+        for q in ("Describe the sea.", "What is a prime number?", "Tell me about Paris.", "Why is grass green?",
+                  "How do birds fly?"):
+            eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": q}]), GREEDY)
+        eng.generate_sync(ids2, GREEDY)
+        with TestClient(create_app(eng)) as client:
+            text = client.get("/metrics").text
+        samples = {(s.name, s.labels.get("tier")): s.value
+                   for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples[("qml:kv_restored_blocks_total", "host")] == eng.tiers.stats.restored_host > 0
+        assert samples[("qml:kv_spilled_blocks_total", "host")] == eng.tiers.stats.spilled_host > 0
+        assert samples[("qml:kv_tier_bytes", "host")] == eng.tiers.host.bytes_used > 0
+    finally:
+        eng.shutdown()
