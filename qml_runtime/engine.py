@@ -155,7 +155,7 @@ class Engine:
     # --- requests ---------------------------------------------------------------------
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                      tenant: str | None = None) -> Sequence:
+                      tenant: str | None = None, session: str | None = None) -> Sequence:
         if not prompt_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -169,17 +169,18 @@ class Engine:
         seed = params.seed % 2**63 if params.seed is not None else random.getrandbits(63)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         salt = tenant.encode() if tenant else b""
-        return Sequence(request_id, prompt_ids, params, detok, seed, salt)
+        return Sequence(request_id, prompt_ids, params, detok, seed, salt, retain=session is not None)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Emit,
-               request_id: str | None = None, tenant: str | None = None) -> str:
+               request_id: str | None = None, tenant: str | None = None, session: str | None = None) -> str:
         """Queue a request; ``emit`` is called from the engine thread with each output.
 
         ``tenant`` (the authenticated API key's id) salts the request's KV page names:
-        tenants never share cached pages.
+        tenants never share cached pages. ``session`` (a client's conversation id) raises
+        the retention priority of the request's pages.
         """
         request_id = request_id or uuid.uuid4().hex
-        seq = self._new_sequence(list(prompt_ids), params, request_id, tenant)
+        seq = self._new_sequence(list(prompt_ids), params, request_id, tenant, session)
         self._inbox.put(_Add(seq, emit))
         self._wakeup.set()
         return request_id
@@ -189,12 +190,12 @@ class Engine:
         self._wakeup.set()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                       tenant: str | None = None, session: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Closing the iterator early aborts the request."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         request_id = self.submit(prompt_ids, params, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o),
-                                 request_id, tenant)
+                                 request_id, tenant, session)
         finished = False
         try:
             while True:
@@ -210,10 +211,11 @@ class Engine:
             if not finished:
                 self.abort(request_id)
 
-    def generate_sync(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None = None) -> RequestOutput:
+    def generate_sync(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None = None,
+                      session: str | None = None) -> RequestOutput:
         """Run one request to completion from a plain thread; returns the whole output."""
         outputs: queue.SimpleQueue = queue.SimpleQueue()
-        request_id = self.submit(prompt_ids, params, outputs.put, tenant=tenant)
+        request_id = self.submit(prompt_ids, params, outputs.put, tenant=tenant, session=session)
         total = RequestOutput(request_id)
         while not total.finished:
             out = outputs.get()

@@ -183,7 +183,7 @@ class Scheduler:
         if seq in batch.seqs:
             i = batch.seqs.index(seq)
             del batch.seqs[i], batch.num_tokens[i]
-        self.blocks.release(seq.block_table)  # its full pages stay cached: coming back, it finds them
+        self.blocks.release(seq.block_table, seq.retain)  # its full pages stay cached: coming back, it finds them
         seq.num_computed = seq.num_committed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -196,4 +196,4 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.release(seq.block_table)
+        self.blocks.release(seq.block_table, seq.retain)

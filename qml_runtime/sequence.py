@@ -19,7 +19,7 @@ class Sequence:
     """Tokens (prompt then generated), how many of them have KV in the cache, and the pages holding it."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer, seed: int = 0, salt: bytes = b""):
+                 detokenizer: IncrementalDetokenizer, seed: int = 0, salt: bytes = b"", retain: bool = False):
         self.request_id = request_id
         self.params = params
         self.token_ids: list[int] = list(prompt_ids)
@@ -27,6 +27,7 @@ class Sequence:
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached = 0  # prompt tokens found in the prefix cache at first admission, not computed
         self.salt = salt  # the tenant's: enters every page name, so tenants never share pages
+        self.retain = retain  # a named session: its pages are the last to be evicted
         self.block_names: list[bytes] = []  # content names of the sequence's full blocks, computed in order
         self.num_committed = 0  # pages of block_table registered under their names
         self.admitted = False

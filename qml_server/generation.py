@@ -94,7 +94,7 @@ async def _gather(stream: EngineStream) -> Finished:
 
 def start_generation(
     request: Request, prompt_ids: list[int], params: SamplingParams, request_id: str, started: float,
-    cache_salt: str | None = None,
+    cache_salt: str | None = None, user: str | None = None,
 ) -> EngineStream:
     """Admit the request (503 when the engine's queue is full) and open its engine stream.
 
@@ -109,7 +109,9 @@ def start_generation(
     tenant = getattr(request.state, "tenant", None)
     if cache_salt:
         tenant = f"{tenant or ''}\x00{cache_salt}"
-    stream = state.engine.generate(prompt_ids, params, request_id, tenant=tenant)
+    # a conversation that names itself (x-session-id, or OpenAI's `user`) keeps its KV longest
+    session = request.headers.get("x-session-id") or user
+    stream = state.engine.generate(prompt_ids, params, request_id, tenant=tenant, session=session)
     return state.metrics.track(stream, started)
 
 

@@ -39,7 +39,7 @@ async def chat_completions(request: Request) -> Response:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     log_request(request_id, len(prompt_ids), params, req.stream)
-    stream = start_generation(request, prompt_ids, params, request_id, started, req.cache_salt)
+    stream = start_generation(request, prompt_ids, params, request_id, started, req.cache_salt, req.user)
 
     if req.stream:
         first = await first_output(request, stream)

@@ -38,7 +38,7 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     head = {"id": request_id, "object": "text_completion", "created": created, "model": engine.model_id}
     log_request(request_id, len(prompt_ids), params, req.stream)
-    stream = start_generation(request, prompt_ids, params, request_id, started, req.cache_salt)
+    stream = start_generation(request, prompt_ids, params, request_id, started, req.cache_salt, req.user)
 
     if req.stream:
         first = await first_output(request, stream)

@@ -59,6 +59,7 @@ class Call:
     params: SamplingParams
     request_id: str
     tenant: str | None = None
+    session: str | None = None
 
 
 class FakeEngine:
@@ -145,9 +146,10 @@ class FakeEngine:
             self._observe_queue_time(time.monotonic() - arrived)
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str | None = None,
+        session: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        self.calls.append(Call(list(prompt_ids), params, request_id, tenant))
+        self.calls.append(Call(list(prompt_ids), params, request_id, tenant, session))
         # Imitates prefix caching: tokens shared with the previous prompt count as cached.
         cached = _common_prefix(self._last_prompt, prompt_ids)
         self._last_prompt = list(prompt_ids)

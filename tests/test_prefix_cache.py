@@ -150,3 +150,16 @@ def test_other_tenant_gets_no_hit(engine, conversation):
     engine.generate_sync(ids2, params, tenant="key-a")
     assert engine.generate_sync(ids2, params, tenant="key-b").cached_tokens == 0
     assert engine.generate_sync(ids2, params, tenant="key-a").cached_tokens > 0
+
+
+def test_session_pages_are_evicted_last():
+    sched = make(num_blocks=6)
+    kept = seq(list(range(0, 33)), name="session")
+    kept.retain = True
+    run_to_end(sched, kept)  # 2 named pages, retained
+    run_to_end(sched, seq(list(range(100, 133)), name="anon"))  # 2 named pages, ordinary
+    run_to_end(sched, seq(list(range(200, 233)), name="newcomer"))  # needs 3 pages: the anonymous ones go
+    hit = seq(list(range(0, 33)), name="session-again")
+    sched.add(hit)
+    sched.schedule()
+    assert hit.num_cached == 32

@@ -679,3 +679,10 @@ def test_cli_serve_builds_the_app_and_never_logs_keys(monkeypatch, caplog):
     assert (ran["host"], ran["port"]) == ("127.0.0.1", 0)
     assert ran["app"].state.auth_enabled and "http://127.0.0.1:0/v1" in caplog.text
     assert "sk-secret-env" not in caplog.text
+
+
+def test_session_id_and_user_reach_the_engine(client, fake):
+    client.post(CHAT, json={"messages": HELLO, "max_tokens": 2}, headers={"x-session-id": "conv-42"})
+    client.post(CHAT, json={"messages": HELLO, "max_tokens": 2, "user": "alice"})
+    client.post(CHAT, json={"messages": HELLO, "max_tokens": 2})
+    assert [c.session for c in fake.calls] == ["conv-42", "alice", None]

@@ -6,7 +6,8 @@ registered under its chained content name (``kv.prefix``) with its tokens; when 
 sequence uses it any more it stays in the cache, at the young end of an LRU list of
 free pages, until a new allocation needs the room. So a conversation's history stays
 on the GPU between turns for as long as memory allows, and the next turn finds it by
-name.
+name. Pages of conversations that asked for retention (a session id) wait in a second
+LRU list that is only drawn on once the first is empty.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ class BlockManager:
         self._name: list[bytes | None] = [None] * num_blocks
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._by_name: dict[bytes, int] = {}
-        # free pages, oldest first: cached pages are evicted in LRU order, empty ones first
+        # free pages, oldest first: cached pages are evicted in LRU order, empty ones first;
+        # retained ones (sessions) only when no other free page is left
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._retained: OrderedDict[int, None] = OrderedDict()
         # called with (page, name, tokens) just before a cached page is overwritten (spill to a lower tier)
         self.on_evict: Callable[[int, bytes, tuple[int, ...]], None] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._retained)
 
     @property
     def num_cached(self) -> int:
@@ -38,24 +41,24 @@ class BlockManager:
     @property
     def usage(self) -> float:
         """Fraction of pages held by running sequences (cached free pages count as free)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
 
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
         """Pages to add so that ``block_table`` covers ``num_tokens`` tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(block_table))
 
     def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
-        return self.blocks_needed(block_table, num_tokens) <= len(self._free)
+        return self.blocks_needed(block_table, num_tokens) <= self.num_free
 
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Append fresh pages to ``block_table`` in place until it covers ``num_tokens`` tokens."""
         need = self.blocks_needed(block_table, num_tokens)
-        if need > len(self._free):
-            raise MemoryError(f"KV cache: {need} pages needed, {len(self._free)} free")
+        if need > self.num_free:
+            raise MemoryError(f"KV cache: {need} pages needed, {self.num_free} free")
         block_table.extend(self._take() for _ in range(need))
 
     def _take(self) -> int:
-        page, _ = self._free.popitem(last=False)
+        page, _ = (self._free if self._free else self._retained).popitem(last=False)
         name = self._name[page]
         if name is not None:
             if self.on_evict is not None:
@@ -65,13 +68,15 @@ class BlockManager:
         self.ref[page] = 1
         return page
 
-    def release(self, block_table: list[int]) -> None:
+    def release(self, block_table: list[int], retain: bool = False) -> None:
         """Drop a sequence's hold on its pages. Its last pages become the oldest free ones:
-        the start of a conversation is the part most likely to be asked for again."""
+        the start of a conversation is the part most likely to be asked for again.
+        ``retain``: named pages go to the retained list, evicted only after all others."""
         for page in reversed(block_table):
             self.ref[page] -= 1
             if self.ref[page] == 0:
-                self._free[page] = None
+                keep = retain and self._name[page] is not None
+                (self._retained if keep else self._free)[page] = None
         block_table.clear()
 
     # --- prefix cache -----------------------------------------------------------------
@@ -86,7 +91,7 @@ class BlockManager:
     def acquire(self, page: int) -> None:
         """Take a hold on a cached page found by ``lookup``."""
         if self.ref[page] == 0:
-            del self._free[page]
+            (self._free if page in self._free else self._retained).pop(page)
         self.ref[page] += 1
 
     def register(self, page: int, name: bytes, tokens: tuple[int, ...]) -> None:
