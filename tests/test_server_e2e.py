@@ -187,3 +187,39 @@ def test_a_conversation_continues_after_a_server_restart(smollm_path, tmp_path):
         assert 'qml:kv_restored_blocks_total{model_name=' in metrics and 'tier="disk"' in metrics
     finally:
         stop_server(proc)
+
+
+def test_kill_9_during_kv_writes_then_the_next_turn_is_served_correctly(smollm_path, tmp_path, engine):
+    first = [{"role": "user", "content": "Write a long list of fruits."}]
+    proc, base = start_server("--kv-disk-dir", str(tmp_path))
+    try:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        model = c.models.list().data[0].id
+        answer = c.chat.completions.create(model=model, messages=first, max_tokens=200, temperature=0)
+        # more finished requests queue more writes; kill while they are in flight
+        for i in range(3):
+            c.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Count to {20 + i}."}],
+                                      max_tokens=64, temperature=0)
+    finally:
+        proc.kill()  # SIGKILL: no shutdown, no flush
+        proc.wait(timeout=30)
+    killed = proc.pid
+    second = first + [{"role": "assistant", "content": answer.choices[0].message.content},
+                      {"role": "user", "content": "Which of them is the sweetest?"}]
+    ids = engine.tokenizer.apply_chat_template(second)
+    from qml_runtime.sampling_params import SamplingParams
+
+    engine.scheduler.prefix_caching = False
+    try:
+        expected = engine.generate_sync(ids, SamplingParams(max_tokens=16, temperature=0)).text
+    finally:
+        engine.scheduler.prefix_caching = True
+    proc, base = start_server("--kv-disk-dir", str(tmp_path))
+    try:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        r = c.chat.completions.create(model=model, messages=second, max_tokens=16, temperature=0)
+        assert r.choices[0].message.content == expected
+        # temp files are named .<hash>.<pid>-<n>.tmp: the restart removed any the killed server left
+        assert not [p for p in tmp_path.rglob("*.tmp") if f".{killed}-" in p.name]
+    finally:
+        stop_server(proc)
