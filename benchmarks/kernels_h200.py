@@ -57,7 +57,9 @@ def main() -> int:
             else None
         ok = small.ok and (large is None or large.ok)
         failures += not ok
-        results = bench(op, "triton") + bench(op, "reference")
+        # the baselines a user already has: a vendor library where one is registered, else eager torch
+        baselines = [i for i in registry.implementations(op) if i not in ("triton", "reference")] or ["reference"]
+        results = bench(op, "triton") + [r for impl in baselines for r in bench(op, impl)]
         rows += [r.row() for r in results]
         sections += [f"## {op}: {'correct' if ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s)", "", "```",
                      str(small), *([str(large)] if large else []), "", table(results), "```", ""]
