@@ -307,8 +307,13 @@ class Engine:
         if self.tiers is not None and reason in ("stop", "length"):
             # the conversation so far goes to disk in the background: a later turn, even after a
             # restart, finds it there
-            named = ((page, self.blocks.named(page)) for page in seq.block_table)
-            self.tiers.persist([(page, *nt) for page, nt in named if nt is not None])
+            pages = []
+            for i, page in enumerate(seq.block_table):
+                named = self.blocks.named(page)
+                if named is not None:
+                    parent = seq.block_names[i - 1] if 0 < i <= len(seq.block_names) else None
+                    pages.append((page, *named, parent))
+            self.tiers.persist(pages)
         if seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, reason)
         if reason != "abort":

@@ -144,3 +144,16 @@ def test_tier_activity_reaches_the_metrics(engine, tmp_path):
         assert samples[("qml:kv_tier_bytes", "host")] == eng.tiers.host.bytes_used > 0
     finally:
         eng.shutdown()
+
+
+def test_files_written_at_the_end_of_a_request_name_their_parent(engine, tmp_path):
+    eng = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    try:
+        turns(eng)
+    finally:
+        eng.shutdown()
+    files = list(tmp_path.rglob("*.kvb"))
+    parents = {f.read_bytes()[88:120] for f in files}
+    names = {bytes.fromhex(f.name.removesuffix(".kvb")) for f in files}
+    assert eng.tiers.stats.written_disk == len(files)  # each page counted once
+    assert bytes(32) in parents and parents - {bytes(32)} <= names  # a chain: the first page has none

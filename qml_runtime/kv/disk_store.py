@@ -13,7 +13,8 @@ deletes temp files, and two owners would fight over the budget). Format, little-
         16    8  payload_size   bytes of KV payload
         24   32  fingerprint    model + KV layout (dtype, block size, layers, heads, head dim)
         56   32  block_hash     equals the file name
-        88   32  parent_hash    previous block of the chain (zeros for the first); for tooling
+        88   32  parent_hash    previous block of the chain (zeros for the first, or when the
+                                writer did not know it); for tooling, never checked on a read
        120   16  checksum       xxh3_128 over bytes [140, end of file)
        136    4  header_crc     crc32 over bytes [0, 136)
        140   4n  tokens         uint32, then zero padding up to align_up(140 + 4n, 4096)

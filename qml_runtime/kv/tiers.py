@@ -82,11 +82,11 @@ class KVTiers:
 
     def spill(self, page: int, name: bytes, tokens: tuple[int, ...]) -> None:
         """A cached GPU page is about to be reused: keep its content in host RAM (or on disk)."""
-        if self.host is not None:
+        if self.host is not None and self.host.capacity > 0:
             slot, evicted = self.host.reserve(name, tokens)
             for old_name, old_tokens, old_slot in evicted:
                 # a copy: the slot is about to take the new page
-                self._queue_disk_write(old_name, old_tokens, self.host.slots[old_slot].clone())
+                self._queue_disk_write(old_name, old_tokens, self.host.slots[old_slot].clone(), None)
             if slot is not None:
                 self.kv.read_page(page, self.host.slots[slot])
                 self.stats.spilled_host += 1
@@ -94,32 +94,36 @@ class KVTiers:
         if self.disk is not None:
             staging = torch.empty(self.block_bytes, dtype=torch.uint8)
             self.kv.read_page(page, staging)
-            self._queue_disk_write(name, tokens, staging)
+            self._queue_disk_write(name, tokens, staging, None)
 
-    def persist(self, pages: list[tuple[int, bytes, tuple[int, ...]]]) -> None:
-        """Write a finished request's named pages through to disk (in the background)."""
+    def persist(self, pages: list[tuple[int, bytes, tuple[int, ...], bytes | None]]) -> None:
+        """Write a finished request's named pages (page, name, tokens, parent name) through to disk,
+        in the background."""
         if self.disk is None:
             return
-        for page, name, tokens in pages:
+        for page, name, tokens, parent in pages:
             if self.disk.contains(name):
                 continue
             staging = torch.empty(self.block_bytes, dtype=torch.uint8)
             self.kv.read_page(page, staging)
-            self._queue_disk_write(name, tokens, staging)
+            self._queue_disk_write(name, tokens, staging, parent)
 
-    def _queue_disk_write(self, name: bytes, tokens: tuple[int, ...], data: torch.Tensor) -> None:
-        """``data`` is a host tensor the writer owns from now on."""
-        if self.disk is not None:
-            self._writes.put((name, tokens, data))
+    def _queue_disk_write(self, name: bytes, tokens: tuple[int, ...], data: torch.Tensor,
+                          parent: bytes | None) -> None:
+        """``data`` is a host tensor the writer owns from now on; ``parent`` the previous page's
+        name where the caller knows it (a page spilled on eviction does not carry it)."""
+        if self.disk is not None and not self.disk.contains(name):
+            self._writes.put((name, tokens, data, parent))
 
     def _write_loop(self) -> None:
         while True:
             item = self._writes.get()
             if item is None:
                 return
-            name, tokens, data = item
-            if self.disk.put(name, None, list(tokens), data):  # never raises: a failed write is a later miss
-                self.stats.written_disk += 1
+            name, tokens, data, parent = item
+            # queued twice before the first landed: one write is enough (and counts once)
+            if not self.disk.contains(name) and self.disk.put(name, parent, list(tokens), data):
+                self.stats.written_disk += 1  # put never raises: a failed write is a later miss
             self._writes.task_done()
 
     def flush(self) -> None:
@@ -141,7 +145,8 @@ class KVTiers:
     def locate(self, name: bytes, tokens: tuple[int, ...]) -> str | None:
         """Which tier would restore this block: "host", "disk", or None (recompute it)."""
         if self.host is not None and self.host.find(name, tokens) is not None:
-            return "host"
+            if self.planner.worth_restoring("host", self.block_bytes, len(tokens)):
+                return "host"
         if self.disk is not None and self.disk.contains(name):
             if self.planner.worth_restoring("disk", self.block_bytes, len(tokens)):
                 return "disk"
@@ -156,6 +161,7 @@ class KVTiers:
             if slot is None:
                 return False
             self.kv.write_page(page, self.host.slots[slot])
+            self.planner.observe("host", self.block_bytes, time.perf_counter() - t0)
             self.stats.restored_host += 1
         else:
             staging = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.kv.data.is_cuda)
