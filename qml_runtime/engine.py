@@ -105,7 +105,7 @@ class Engine:
             self.tiers.close()  # the last writes reach the disk before the process goes
 
     def info(self) -> dict:
-        return {**self._info, "context_length": self.context_length,
+        return {**self._info, "context_length": self.context_length, "vocab_size": self.model_config.vocab_size,
                 "kv_cache_tokens": self.blocks.num_blocks * self.blocks.block_size}
 
     def stats(self) -> dict:

@@ -150,18 +150,27 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     # QML_API_KEY is the twin of the repeatable --api-key; kept apart so flags replace it.
     serve.set_defaults(run=serve_command, env_api_keys=keys_from_env(env.get("QML_API_KEY")))
 
-    from qml_server import bench as bench_module  # imported here: it takes its flag types from this module
+    # imported here: they take their flag types from this module
+    from qml_server import bench as bench_module
+    from qml_server import bench_sessions
 
     bench = commands.add_parser("bench", help="benchmark a model or a server", description="Benchmarks.")
     bench.set_defaults(run=lambda _: _usage(bench))
     bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     bench_serve = bench_commands.add_parser(
         "serve",
-        help="TTFT per prompt size and decode ms/token of a running server, over the OpenAI chat API",
+        help="TTFT per prompt size, decode ms/token and throughput under concurrency of a running server",
         description=(bench_module.__doc__ or "").split("\n\n")[0],
     )
     bench_module.add_arguments(bench_serve)
     bench_serve.set_defaults(run=bench_module.bench_serve_command)
+    sessions = bench_commands.add_parser(
+        "sessions",
+        help="multi-turn conversations over the chat API: TTFT per turn, cached tokens, where the history came from",
+        description=(bench_sessions.__doc__ or "").split("\n\n")[0],
+    )
+    bench_sessions.add_arguments(sessions)
+    sessions.set_defaults(run=bench_sessions.bench_sessions_command)
     return parser
 
 

@@ -44,7 +44,7 @@ def _model_card(request: Request) -> dict[str, Any]:
 
 # What of engine.info() clients may see. An allowlist, because info() also carries
 # things like the model's path on the server's disk, which is nobody's business.
-_PUBLIC_INFO = ("architecture", "parameters", "quant_types", "dtype", "device", "context_length")
+_PUBLIC_INFO = ("architecture", "parameters", "quant_types", "dtype", "device", "context_length", "vocab_size")
 
 
 def _public_info(info: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,129 @@
+"""`qml bench sessions` against real `qml serve --model preset:tiny-llama --random-weights` processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qml_server import bench_sessions
+from qml_server.bench_common import BenchError
+from qml_server.cli import build_parser, main
+from tests.test_bench import start_tiny_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_tiny_server("--kv-cache-gib", "0.05")
+    yield url
+    stop_server(proc)
+
+
+def test_sessions_history_stays_on_the_gpu(server, tmp_path, capsys):
+    out = tmp_path / "sessions.json"
+    rc = main(["bench", "sessions", "--base-url", server, "--users", "2", "--turns", "3", "--turn-tokens", "60",
+               "--reply-tokens", "8", "--fresh", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    result = json.loads(out.read_text())
+    assert result["api"] == "chat" and result["phase"] == "gpu" and result["metrics_available"]
+    assert result["command"].startswith("qml bench sessions ") and "--fresh" in result["command"]
+    s = result["settings"]
+    assert s["users"] == 2 and s["turns"] == 3 and s["reply_tokens"] == 8 and s["chars_per_token"] == 1.0
+    turns = result["turns"]
+    assert [(r["turn"], r["user"]) for r in turns][:2] == [(1, turns[0]["user"]), (1, turns[1]["user"])]
+    assert len(turns) == 6 and len({r["user"] for r in turns}) == 2
+    for r in turns:
+        assert r["completion_tokens"] == 8 and r["ttft_ms"] > 0 and r["fresh_ttft_ms"] > 0
+        assert r["fresh_cached_tokens"] == 0 and r["fresh_prompt_tokens"] == r["prompt_tokens"]
+        assert r["restored_blocks"] == {"host": 0, "disk": 0} and r["recomputed_disk_blocks"] == 0
+        if r["turn"] == 1:
+            assert r["cached_tokens"] == 0 and r["where"] == "new"
+        else:
+            # at least every full page of the previous turn's prompt, which this prompt starts with
+            previous = next(p for p in turns if p["user"] == r["user"] and p["turn"] == r["turn"] - 1)
+            assert r["cached_tokens"] >= previous["prompt_tokens"] // 16 * 16 > 0
+            assert r["prompt_tokens"] > previous["prompt_tokens"] + 60 and r["where"] == "gpu"
+    rows = result["by_turn"]
+    assert [row["turn"] for row in rows] == [1, 2, 3]
+    assert rows[0]["where"] == {"new": 2} and rows[2]["where"] == {"gpu": 2}
+    assert rows[1]["cached_tokens"] > 0 and rows[1]["fresh_cached_tokens"] == 0 and rows[1]["speedup"] > 0
+    assert "| turn | prompt tokens | cached tokens | TTFT (ms) | fresh-prefill TTFT (ms)" in captured.out
+    assert "gpu ×2" in captured.out
+
+
+def test_sessions_survive_a_restart_through_the_disk_tier(tmp_path, capsys):
+    kv_dir, saved, out = tmp_path / "kv", tmp_path / "conversations.json", tmp_path / "resumed.json"
+    flags = ("--kv-cache-gib", "0.05", "--kv-disk-dir", str(kv_dir))
+    proc, url = start_tiny_server(*flags)
+    try:
+        rc = main(["bench", "sessions", "--base-url", url, "--users", "2", "--turns", "2", "--turn-tokens", "50",
+                   "--reply-tokens", "6", "--save", str(saved)])
+        assert rc == 0, capsys.readouterr().err
+    finally:
+        stop_server(proc)  # SIGTERM: pending disk writes are flushed
+    state = json.loads(saved.read_text())
+    assert state["format"] == bench_sessions.SAVE_FORMAT and len(state["conversations"]) == 2
+    assert all(c["turns"] == 2 and len(c["messages"]) == 4 for c in state["conversations"])
+    assert state["settings"]["turn_tokens"] == 50 and state["settings"]["reply_tokens"] == 6
+
+    proc, url = start_tiny_server(*flags)
+    try:
+        rc = main(["bench", "sessions", "--base-url", url, "--resume", str(saved), "--fresh", "--out", str(out)])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+    finally:
+        stop_server(proc)
+    result = json.loads(out.read_text())
+    assert result["resumed_from"] == str(saved) and result["settings"]["reply_tokens"] == 6
+    assert [r["turn"] for r in result["turns"]] == [3, 3]
+    for r in result["turns"]:
+        assert r["cached_tokens"] > 0 and r["fresh_cached_tokens"] == 0
+        assert r["restored_blocks"]["disk"] > 0 and r["restored_blocks"]["host"] == 0
+        assert r["restored_blocks"]["disk"] * 16 == r["cached_tokens"]  # the whole history came from disk
+        assert r["where"] == "disk"
+    assert result["by_turn"][0]["where"] == {"disk": 2} and "disk ×2" in captured.out
+
+
+def test_sessions_evict_phase_pushes_history_to_disk(tmp_path, capsys):
+    # a KV pool of ~1400 tokens: 3000 tokens of other prompts push every history out
+    proc, url = start_tiny_server("--kv-cache-gib", "0.001", "--kv-disk-dir", str(tmp_path / "kv"))
+    try:
+        result, state = bench_sessions.run_sessions(url, users=2, turns=2, turn_tokens=40, reply_tokens=4,
+                                                    phase="evict", evict_tokens=3000)
+    finally:
+        stop_server(proc)
+    assert [e["before_turn"] for e in result["evictions"]] == [2] and result["evictions"][0]["tokens"] == 3000
+    second = [r for r in result["turns"] if r["turn"] == 2]
+    assert all(r["cached_tokens"] > 0 and r["restored_blocks"]["disk"] > 0 and "disk" in r["where"] for r in second)
+    assert len(state["conversations"]) == 2
+
+
+def test_where_from():
+    assert bench_sessions.where_from(1, 0, {"host": 0, "disk": 0}) == "new"
+    assert bench_sessions.where_from(2, 0, {"host": 0, "disk": 0}) == "recomputed"
+    assert bench_sessions.where_from(2, 160, {"host": 0, "disk": 0}) == "gpu"
+    assert bench_sessions.where_from(2, 160, {"host": 0, "disk": 10}) == "disk"
+    assert bench_sessions.where_from(2, 160, {"host": 4, "disk": 2}) == "gpu+host+disk"
+    assert bench_sessions.where_from(2, 160, None) == "cached"
+    assert bench_sessions.where_from(2, None, None) == "unknown"
+
+
+def test_sessions_refusals(server, tmp_path, capsys):
+    with pytest.raises(BenchError, match="needs --evict-tokens"):
+        bench_sessions.run_sessions(server, phase="evict")
+    with pytest.raises(BenchError, match="does not go with --resume"):
+        bench_sessions.run_sessions(server, users=2, resume={})
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    assert main(["bench", "sessions", "--base-url", server, "--resume", str(bad)]) == 1
+    assert "not a saved sessions file" in capsys.readouterr().err
+
+
+def test_sessions_flags():
+    args = build_parser({}).parse_args(["bench", "sessions"])
+    assert args.users is None and args.turns is None and args.phase == "gpu" and not args.fresh
+    args = build_parser({}).parse_args(["bench", "sessions", "--users", "8", "--turn-tokens", "200", "--fresh"])
+    assert args.users == 8 and args.turn_tokens == 200 and args.fresh
+    with pytest.raises(SystemExit):
+        build_parser({}).parse_args(["bench", "sessions", "--phase", "host"])
