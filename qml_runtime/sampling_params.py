@@ -49,10 +49,6 @@ class SamplingParams:
         if len(self.stop) > 16:
             raise InvalidParameter("stop", f"at most 16 stop sequences are allowed, got {len(self.stop)}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
 
 @dataclass
 class RequestOutput:

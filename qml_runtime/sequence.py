@@ -37,7 +37,6 @@ class Sequence:
         self.detokenizer = detokenizer
         self.seed = seed  # with the step (num_output_tokens), keys this request's random stream in the sampler
         self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None  # set by the engine at the first step that runs it
 
     @property
@@ -47,10 +46,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_uncomputed(self) -> int:

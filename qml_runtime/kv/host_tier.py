@@ -55,7 +55,3 @@ class HostTier:
         self._lru[name] = (slot, tokens)
         return slot, evicted
 
-    def drop(self, name: bytes) -> None:
-        entry = self._lru.pop(name, None)
-        if entry is not None:
-            self._free.append(entry[0])
