@@ -40,12 +40,12 @@ class AttentionMetadata:
     context_lens_host: list[int]
 
     @classmethod
-    def build(cls, slot_mapping: list[int], block_tables: list[list[int]], cu_seqlens_q: list[int],
+    def build(cls, slot_mapping: list[int] | torch.Tensor, block_tables: list[list[int]], cu_seqlens_q: list[int],
               context_lens: list[int], device) -> AttentionMetadata:
         width = max(len(t) for t in block_tables)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         return cls(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.int64).to(device),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
             cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
@@ -150,7 +150,23 @@ def _triton_supports(q, k_cache, v_cache, meta, *args, **kwargs) -> bool:
     return _kernel_for(meta, q)._supported(q, k_cache, v_cache, meta, *args, **kwargs)
 
 
+def _paged_attention_cudnn(*args, **kwargs):
+    from qml_kernels.attention_cudnn import paged_prefill_attention_cudnn
+
+    return paged_prefill_attention_cudnn(*args, **kwargs)
+
+
+def _cudnn_supports(*args, **kwargs) -> bool:
+    if not args[0].is_cuda:
+        return False
+    from qml_kernels.attention_cudnn import supported
+
+    return supported(*args, **kwargs)
+
+
 register("kv_write", "reference", kv_write_ref)
 register("paged_attention", "reference", paged_attention_ref)
+# first choice for fresh prompts (faster where it applies), then Triton for everything
+register("paged_attention", "cudnn", _paged_attention_cudnn, devices=("cuda",), supports=_cudnn_supports)
 register("paged_attention", "triton", _paged_attention_triton, devices=("cuda",), supports=_triton_supports)
 paged_attention = dispatch("paged_attention")

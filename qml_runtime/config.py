@@ -70,7 +70,17 @@ class SchedulerConfig:
 
     max_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    # the budget when one request is all there is: chunking exists so a long prompt does not
+    # stall others' decode; alone, a larger chunk is faster (fewer passes over the weights,
+    # and a whole fresh prompt can take the cuDNN attention path). 0: max_batched_tokens.
+    max_tokens_alone: int = 0
 
     def __post_init__(self):
-        if self.max_batched_tokens <= 0 or self.max_num_seqs <= 0:
-            raise ValueError("max_batched_tokens and max_num_seqs must be positive")
+        if self.max_batched_tokens <= 0 or self.max_num_seqs <= 0 or self.max_tokens_alone < 0:
+            raise ValueError("max_batched_tokens and max_num_seqs must be positive, max_tokens_alone >= 0")
+
+    def budget(self, num_requests: int) -> int:
+        """Tokens one step may compute when ``num_requests`` requests are running or waiting."""
+        if num_requests <= 1:
+            return max(self.max_batched_tokens, self.max_tokens_alone)
+        return self.max_batched_tokens

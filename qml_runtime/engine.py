@@ -22,6 +22,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from qml_runtime.config import CacheConfig, ModelConfig, SchedulerConfig
+from qml_runtime.cuda_graphs import DecodeGraphs
 from qml_runtime.detokenizer import IncrementalDetokenizer
 from qml_runtime.kv.block_manager import BlockManager
 from qml_runtime.kv.cache import KVCache
@@ -52,7 +53,8 @@ class _Abort:
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, model_config: ModelConfig, *, model_id: str,
                  device: torch.device, dtype: torch.dtype, cache: CacheConfig, scheduler: SchedulerConfig,
-                 context_length: int | None = None, info: dict | None = None, fingerprint: bytes = b""):
+                 context_length: int | None = None, info: dict | None = None, fingerprint: bytes = b"",
+                 cuda_graphs: bool = True):
         self.model, self.tokenizer, self.model_config = model, tokenizer, model_config
         self.model_id, self.device, self.dtype = model_id, device, dtype
         self.kv = KVCache(model_config, cache.num_blocks, cache.block_size, device, dtype)
@@ -66,7 +68,10 @@ class Engine:
         if self.tiers is not None:
             self.blocks.on_evict = self.tiers.spill
         self.scheduler = Scheduler(scheduler, self.blocks, fingerprint, cache.enable_prefix_caching, self.tiers)
-        self.runner = ModelRunner(model, self.kv, device)
+        graphs = None
+        if cuda_graphs and device.type == "cuda":
+            graphs = DecodeGraphs(model, self.kv, device, scheduler.max_num_seqs, self.context_length)
+        self.runner = ModelRunner(model, self.kv, device, decode_graphs=graphs)
         self._info = dict(info or {})
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -91,6 +96,8 @@ class Engine:
 
     def start(self) -> None:
         if self._thread is None:
+            if self.runner.graphs is not None and self.runner.graphs.capture_enabled:
+                self.runner.graphs.capture_all()  # before serving: capturing later would stall requests
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="qml-engine", daemon=True)
             self._thread.start()

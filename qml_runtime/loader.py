@@ -122,18 +122,20 @@ def load_engine(model: str | None = None, device: str = "auto", max_model_len: i
                 block_size: int = 16, max_batched_tokens: int = 2048, max_num_seqs: int = 64,
                 enable_prefix_caching: bool = True, progress: bool = True, random_weights: bool = False,
                 kv_host_gib: float | None = None, kv_disk_dir: str | None = None,
-                kv_disk_gib: float | None = None) -> Engine:
+                kv_disk_gib: float | None = None, max_tokens_alone: int = 0, cuda_graphs: bool = True) -> Engine:
     """Load a model and build the engine around it (the engine is not started).
 
     ``model="preset:<name>"`` with ``random_weights=True``: a preset shape with random weights
     (qml_runtime.presets), for speed measurements.
     """
-    tiers = dict(kv_host_gib=kv_host_gib, kv_disk_dir=kv_disk_dir, kv_disk_gib=kv_disk_gib)
+    tiers = dict(kv_host_gib=kv_host_gib, kv_disk_dir=kv_disk_dir, kv_disk_gib=kv_disk_gib,
+                 max_tokens_alone=max_tokens_alone, cuda_graphs=cuda_graphs)
     if random_weights or is_preset(model):
         return load_preset_engine(model, random_weights, device=device, max_model_len=max_model_len,
                                   served_model_name=served_model_name, dtype=dtype, kv_cache_gib=kv_cache_gib,
                                   block_size=block_size, max_batched_tokens=max_batched_tokens,
-                                  max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, **tiers)
+                                  max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
+                                  **tiers)
     path = Path(model) if model else find_default_model()
     if not path.exists():
         raise ModelNotFound(f"model path {str(path)!r} does not exist")
@@ -168,9 +170,11 @@ def load_engine(model: str | None = None, device: str = "auto", max_model_len: i
     # KV bytes depend on the weights, the model's shape, the dtype and the page size
     fingerprint = model_fingerprint(weights_identity(path), cfg, str(torch_dtype), block_size)
     engine = Engine(net, tokenizer, cfg, model_id=served_model_name or path.stem, device=dev, dtype=torch_dtype,
-                    cache=cache_config(block_size, blocks, enable_prefix_caching, dev, **tiers),
-                    scheduler=SchedulerConfig(max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs),
-                    context_length=max_model_len, info=info, fingerprint=fingerprint)
+                    cache=cache_config(block_size, blocks, enable_prefix_caching, dev, kv_host_gib, kv_disk_dir,
+                                       kv_disk_gib),
+                    scheduler=SchedulerConfig(max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs,
+                                              max_tokens_alone=max_tokens_alone),
+                    context_length=max_model_len, info=info, fingerprint=fingerprint, cuda_graphs=cuda_graphs)
     log.info("loaded %s in %.1f s: architecture=%s parameters=%.1fM quant=%s context=%d device=%s dtype=%s "
              "kv_cache=%d tokens (%.2f GiB)", path.name, time.perf_counter() - t0, cfg.architecture, n_params / 1e6,
              ",".join(f"{k}x{v}" for k, v in quant.items()), engine.context_length, dev, info["dtype"],

@@ -226,7 +226,8 @@ def load_preset_engine(model: str | None, random_weights: bool, *, device: str =
                        dtype: str = "auto", kv_cache_gib: float | None = None, block_size: int = 16,
                        max_batched_tokens: int = 2048, max_num_seqs: int = 64,
                        enable_prefix_caching: bool = True, kv_host_gib: float | None = None,
-                       kv_disk_dir: str | None = None, kv_disk_gib: float | None = None) -> Engine:
+                       kv_disk_dir: str | None = None, kv_disk_gib: float | None = None,
+                       max_tokens_alone: int = 0, cuda_graphs: bool = True) -> Engine:
     """``load_engine`` for ``preset:<name>``: the preset's model with random weights, on ``device``."""
     from qml_runtime.loader import _kv_blocks, cache_config, resolve_device, resolve_dtype  # (import cycle)
 
@@ -263,8 +264,9 @@ def load_preset_engine(model: str | None, random_weights: bool, *, device: str =
                     device=dev, dtype=torch_dtype,
                     cache=cache_config(block_size, blocks, enable_prefix_caching, dev, kv_host_gib, kv_disk_dir,
                                        kv_disk_gib),
-                    scheduler=SchedulerConfig(max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs),
-                    context_length=max_model_len, info=info, fingerprint=fingerprint)
+                    scheduler=SchedulerConfig(max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs,
+                                              max_tokens_alone=max_tokens_alone),
+                    context_length=max_model_len, info=info, fingerprint=fingerprint, cuda_graphs=cuda_graphs)
     log.warning("%s has RANDOM weights (seed %d) and a byte-level stand-in tokenizer: its output is noise; "
                 "use it to measure speed", model, RANDOM_SEED)
     log.info("built %s (%s) in %.1f s: architecture=%s parameters=%.1fM weights=random context=%d device=%s "

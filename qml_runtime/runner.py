@@ -1,4 +1,9 @@
-"""One engine step on the device: build the batch's inputs, run the model, sample."""
+"""One engine step on the device: build the batch's inputs, run the model, sample.
+
+Decode batches (one new token per sequence) replay a CUDA graph when the runner has them
+(qml_runtime.cuda_graphs); prefill and mixed batches run eagerly, with the metadata built
+on the host in one pass and sent in a few copies, so no layer waits on the device.
+"""
 
 from __future__ import annotations
 
@@ -6,56 +11,85 @@ import torch
 
 from qml_kernels.attention import AttentionMetadata
 from qml_kernels.sampling import sample
+from qml_runtime.cuda_graphs import DecodeGraphs
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCache, device: torch.device):
+    def __init__(self, model: torch.nn.Module, kv: KVCache, device: torch.device, *,
+                 decode_graphs: DecodeGraphs | None = None):
         self.model, self.kv, self.device = model, kv, device
         self.block_size = kv.block_size
+        self.graphs = decode_graphs
 
     def _prepare(self, batch: ScheduledBatch):
+        S = self.block_size
         ids, positions, slots = [], [], []
         cu_seqlens_q, context_lens, sample_rows = [0], [], []
-        S = self.block_size
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start, end = seq.num_computed, seq.num_computed + n
             ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // S] * S + p % S for p in range(start, end))
+            pos = torch.arange(start, end)
+            positions.append(pos)
+            table = torch.tensor(seq.block_table[start // S:(end - 1) // S + 1])
+            slots.append(table[pos // S - start // S] * S + pos % S)
             cu_seqlens_q.append(cu_seqlens_q[-1] + n)
             context_lens.append(end)
             if end == seq.num_tokens:  # the whole sequence is in cache: its next token can be sampled
                 sample_rows.append(cu_seqlens_q[-1] - 1)
         dev = self.device
-        meta = AttentionMetadata.build(slots, [s.block_table for s in batch.seqs], cu_seqlens_q, context_lens, dev)
-        return (torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta, sample_rows)
+        slot_list = torch.cat(slots)
+        meta = AttentionMetadata.build(slot_list, [s.block_table for s in batch.seqs], cu_seqlens_q, context_lens, dev)
+        return (torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+                torch.cat(positions).to(dev, non_blocking=True), meta, sample_rows)
+
+    def _graph_fits(self, batch: ScheduledBatch) -> bool:
+        if self.graphs is None or any(n != 1 for n in batch.num_tokens):
+            return False
+        if any(s.num_computed + 1 != s.num_tokens for s in batch.seqs):
+            return False
+        return self.graphs.fits(len(batch.seqs), max(len(s.block_table) for s in batch.seqs))
+
+    def _decode_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+        S = self.block_size
+        ids, positions, slots, lens = [], [], [], []
+        for seq in batch.seqs:
+            p = seq.num_computed
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(seq.block_table[p // S] * S + p % S)
+            lens.append(p + 1)
+        return self.graphs.run(ids, positions, slots, [s.block_table for s in batch.seqs], lens)
 
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> list[int | None]:
         """Run the batch; returns, per sequence, the sampled token or None (prefill chunk not last)."""
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv, meta)  # [T, D]
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed += n
-        sampling = [s for s in batch.seqs if s.num_computed == s.num_tokens]
-        if not sampling:
-            return [None] * len(batch.seqs)
-        logits = self.model.logits(hidden[sample_rows])  # [B', V]
-        params = [s.params for s in sampling]
-        dev = logits.device
-        f32, i64 = torch.float32, torch.int64  # explicit: a request may give temperature=1 as an int
-        tokens = sample(
-            logits,
-            torch.tensor([p.temperature for p in params], dtype=f32, device=dev),
-            torch.tensor([p.top_k for p in params], dtype=i64, device=dev),
-            torch.tensor([p.top_p for p in params], dtype=f32, device=dev),
-            torch.tensor([p.min_p for p in params], dtype=f32, device=dev),
-            torch.tensor([s.seed for s in sampling], dtype=i64, device=dev),
-            torch.tensor([s.num_output_tokens for s in sampling], dtype=i64, device=dev),  # the step
-        ).tolist()
+        if self._graph_fits(batch):
+            logits = self._decode_graph(batch)  # [B, V], every sequence samples
+            for seq in batch.seqs:
+                seq.num_computed += 1
+            sampling = batch.seqs
+        else:
+            input_ids, positions, meta, sample_rows = self._prepare(batch)
+            hidden = self.model(input_ids, positions, self.kv, meta)  # [T, D]
+            for seq, n in zip(batch.seqs, batch.num_tokens):
+                seq.num_computed += n
+            sampling = [s for s in batch.seqs if s.num_computed == s.num_tokens]
+            if not sampling:
+                return [None] * len(batch.seqs)
+            logits = self.model.logits(hidden[sample_rows])  # [B', V]
+        tokens = self._sample(logits, sampling)
         by_seq = dict(zip(map(id, sampling), tokens))
         return [by_seq.get(id(s)) for s in batch.seqs]
+
+    def _sample(self, logits: torch.Tensor, seqs: list) -> list[int]:
+        params = [s.params for s in seqs]
+        # one host tensor per dtype, one copy each: explicit dtypes, since a request may give
+        # temperature=1 as an int
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
+                               [p.min_p for p in params]], dtype=torch.float32).to(logits.device, non_blocking=True)
+        ints = torch.tensor([[p.top_k for p in params], [s.seed for s in seqs],
+                             [s.num_output_tokens for s in seqs]], dtype=torch.int64).to(logits.device,
+                                                                                         non_blocking=True)
+        return sample(logits, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2]).tolist()

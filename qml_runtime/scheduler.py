@@ -56,9 +56,10 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
+        limit = self.config.budget(len(self.running) + len(self.waiting))
         for seq in list(self.running):
             # recomputed each time: a preemption below can hand tokens back
-            budget = self.config.max_batched_tokens - sum(batch.num_tokens)
+            budget = limit - sum(batch.num_tokens)
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:
@@ -68,7 +69,7 @@ class Scheduler:
                 continue
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
-        budget = self.config.max_batched_tokens - sum(batch.num_tokens)
+        budget = limit - sum(batch.num_tokens)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._admit(seq, budget)

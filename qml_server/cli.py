@@ -138,6 +138,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     flag("--max-num-seqs", type=positive_int, default=64, help="sequences decoded together at most")
     flag("--max-batched-tokens", type=positive_int, default=2048,
          help="tokens computed in one step; longer prompts are prefilled in chunks of this size")
+    flag("--max-tokens-alone", type=positive_int, default=32768,
+         help="the step budget when a single request is running or waiting: nobody's decode to protect, "
+              "so its prompt is prefilled in chunks this large")
+    flag("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (for debugging and comparison)")
     flag(
         "--max-body-bytes",
         type=parse_size,
@@ -229,6 +233,8 @@ def serve_command(args: argparse.Namespace) -> int:
             kv_cache_gib=args.kv_cache_gib,
             max_num_seqs=args.max_num_seqs,
             max_batched_tokens=args.max_batched_tokens,
+            max_tokens_alone=args.max_tokens_alone,
+            cuda_graphs=not args.no_cuda_graphs,
             **({"random_weights": True} if args.random_weights else {}),
             **({"enable_prefix_caching": False} if args.no_prefix_caching else {}),
             **{k: v for k in ("kv_host_gib", "kv_disk_dir", "kv_disk_gib") if (v := getattr(args, k)) is not None},

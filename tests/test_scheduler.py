@@ -77,3 +77,24 @@ def test_finish_releases_pages_of_waiting_and_running():
     sched.finish(a, "abort")
     sched.finish(b, "abort")
     assert blocks.num_free == 8 and not sched.has_work()
+
+
+def test_a_lone_request_gets_the_larger_budget_until_another_arrives():
+    config = SchedulerConfig(max_batched_tokens=64, max_num_seqs=8, max_tokens_alone=256)
+    assert config.budget(0) == config.budget(1) == 256 and config.budget(2) == 64
+    sched = Scheduler(config, BlockManager(64, 16))
+    long = seq("long", 400)
+    sched.add(long)
+    batch = sched.schedule()
+    assert batch.num_tokens == [256]  # alone: one big chunk
+    run_step(batch)
+    other = seq("other", 10)
+    sched.add(other)
+    batch = sched.schedule()
+    assert sum(batch.num_tokens) <= 64 and batch.seqs[0] is long  # company: back to the shared budget
+    run_step(batch)
+    assert long.num_computed == 256 + 64 and other.num_computed == 0
+
+
+def test_max_tokens_alone_zero_means_the_shared_budget():
+    assert SchedulerConfig(max_batched_tokens=64).budget(1) == 64

@@ -1,0 +1,411 @@
+"""The engine on the GPU: correctness against transformers, cuDNN prefill attention, speed.
+
+    python benchmarks/engine_h200.py --out DIR [--preset llama-3.1-8b] [--sections all]
+
+Sections (each runs on its own; a failure is recorded and the next one runs):
+
+- ``attention``: the cuDNN prefill path against the fp32 reference on ragged fresh batches,
+  then cuDNN vs our Triton kernel on whole prompts of the seed table's sizes (TFLOP/s).
+- ``transformers``: the preset's shapes with random weights, the same weights copied into
+  transformers' model: logits over a 512-token prompt, then 64 greedy decode steps replayed
+  from our CUDA graphs, each against transformers' logits at that position (teacher-forced
+  on our tokens).
+- ``engine``: the engine itself (no HTTP): TTFT per prompt size (median of new random
+  prompts), decode ms/token over 256 tokens with and without CUDA graphs, 32 concurrent
+  requests of 2k-token prompts (aggregate tokens/s).
+- ``profile``: per-kernel GPU time of one eager decode step and one 2,340-token prefill.
+
+Writes ``engine-<gpu>.json`` and ``.md`` under --out as it goes. Also runs on CPU with
+``--preset tiny-llama --device cpu`` (small sizes), which is how the script itself is tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qml_kernels.attention import AttentionMetadata, paged_attention_ref
+from qml_runtime.config import ModelConfig
+from qml_runtime.kv.cache import KVCache
+from qml_runtime.sampling_params import SamplingParams
+
+SEED_SIZES = (133, 598, 2340, 8892, 26926)
+RESULTS: dict = {}
+
+
+def record(section: str, **values) -> None:
+    RESULTS.setdefault(section, {}).update(values)
+    print(f"[{section}] " + ", ".join(f"{k}={v}" for k, v in values.items() if not isinstance(v, (list, dict))),
+          flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- attention -------------------------------------------------------------------------------
+
+def _paged(lens: list[int], H: int, Hkv: int, Dh: int, S: int, device, dtype, gen):
+    pages = [-(-L // S) for L in lens]
+    order = torch.randperm(sum(pages) + 1, generator=gen).tolist()
+    tables, used = [], 0
+    for n in pages:
+        tables.append(order[used:used + n])
+        used += n
+    kv = torch.randn(2, sum(pages) + 1, S, Hkv, Dh, generator=gen).to(device, dtype)
+    T = sum(lens)
+    q = torch.randn(T, H, Dh, generator=gen).to(device, dtype)
+    cu = [0]
+    for L in lens:
+        cu.append(cu[-1] + L)
+    slots = [t[p // S] * S + p % S for t, L in zip(tables, lens) for p in range(L)]
+    meta = AttentionMetadata.build(slots, tables, cu, lens, device)
+    return q, kv[0], kv[1], meta
+
+
+def section_attention(args, device) -> None:
+    from triton.testing import do_bench
+
+    from qml_kernels.attention_cudnn import paged_prefill_attention_cudnn, supported
+    from qml_kernels.attention_prefill import paged_prefill_attention_triton
+
+    gen = torch.Generator().manual_seed(1)
+    H, Hkv, Dh, S = 32, 8, 128, 16
+    scale = Dh**-0.5
+    for lens in ([133], [598, 37, 1000], [2340]):
+        q, kc, vc, meta = _paged(lens, H, Hkv, Dh, S, device, torch.bfloat16, gen)
+        assert supported(q, kc, vc, meta, scale), f"cuDNN path does not take fresh prompts {lens}"
+        ref = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, scale)
+        for name, fn in (("cudnn", paged_prefill_attention_cudnn), ("triton", paged_prefill_attention_triton)):
+            out = fn(q, kc, vc, meta, scale).float()
+            err = ((out - ref).abs().max() / ref.abs().max()).item()
+            record("attention", **{f"{name}_rel_err_{'+'.join(map(str, lens))}": f"{err:.2e}"})
+            assert err < 2e-2, f"{name} attention off by {err:.2e} (relative to max |out|) on {lens}"
+    rows = []
+    for L in args.sizes:
+        q, kc, vc, meta = _paged([L], H, Hkv, Dh, S, device, torch.bfloat16, gen)
+        flops = 2 * L * L * H * Dh  # causal: half of 4 L^2 H Dh
+        row = {"tokens": L}
+        for name, fn in (("cudnn", paged_prefill_attention_cudnn), ("triton", paged_prefill_attention_triton)):
+            ms = do_bench(lambda: fn(q, kc, vc, meta, scale), warmup=5, rep=30)
+            row[f"{name}_ms"], row[f"{name}_tflops"] = round(ms, 3), round(flops / ms / 1e9, 1)
+        rows.append(row)
+        print(row, flush=True)
+        del q, kc, vc, meta
+        free_memory()
+    record("attention", prefill_per_layer=rows)
+
+
+# --- transformers ----------------------------------------------------------------------------
+
+def hf_config(cfg: ModelConfig):
+    import transformers
+
+    sc = cfg.rope_scaling
+    rope = None
+    if sc is not None:
+        rope = {"rope_type": sc.kind, "factor": sc.factor, "original_max_position_embeddings": sc.original_max_position,
+                "low_freq_factor": sc.low_freq_factor, "high_freq_factor": sc.high_freq_factor}
+    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+              num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+              num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_eps,
+              max_position_embeddings=cfg.context_length, tie_word_embeddings=cfg.tie_word_embeddings,
+              rope_theta=cfg.rope_theta, rope_scaling=rope)
+    hc = transformers.LlamaConfig(**kw)
+    if rope is not None:  # transformers 5 reads rope_parameters; keep theta in it
+        hc.rope_parameters = {**rope, "rope_theta": cfg.rope_theta}
+    hc._attn_implementation = "sdpa"
+    return hc
+
+
+@torch.no_grad()
+def copy_into_hf(ours, hf, cfg: ModelConfig) -> None:
+    sd = hf.state_dict()
+    q, kv, I = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    sd["model.embed_tokens.weight"].copy_(ours.embed)
+    sd["model.norm.weight"].copy_(ours.norm)
+    sd["lm_head.weight"].copy_(ours.embed if ours.lm_head is None else ours.lm_head)
+    for i, layer in enumerate(ours.layers):
+        p = f"model.layers.{i}."
+        sd[p + "self_attn.q_proj.weight"].copy_(layer.wqkv[:q])
+        sd[p + "self_attn.k_proj.weight"].copy_(layer.wqkv[q:q + kv])
+        sd[p + "self_attn.v_proj.weight"].copy_(layer.wqkv[q + kv:])
+        sd[p + "self_attn.o_proj.weight"].copy_(layer.wo)
+        sd[p + "input_layernorm.weight"].copy_(layer.attn_norm)
+        sd[p + "post_attention_layernorm.weight"].copy_(layer.mlp_norm)
+        sd[p + "mlp.gate_proj.weight"].copy_(layer.w_gate_up[:I])
+        sd[p + "mlp.up_proj.weight"].copy_(layer.w_gate_up[I:])
+        sd[p + "mlp.down_proj.weight"].copy_(layer.w_down)
+
+
+def compare(ours: torch.Tensor, theirs: torch.Tensor) -> dict:
+    """ours, theirs: [N, V] fp32 -> error summary."""
+    rel = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+    cos = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
+    top1 = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    return {"max_rel_diff": round(rel, 5), "min_cosine": round(cos.min().item(), 6), "top1_agree": round(top1, 4)}
+
+
+def section_transformers(args, device) -> None:
+    import transformers
+
+    from qml_runtime.cuda_graphs import DecodeGraphs
+    from qml_runtime.presets import PRESETS, random_model
+
+    preset = PRESETS[args.preset]
+    cfg = preset.config
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ours = random_model(preset, device, dtype)
+    # built in the target dtype (not converted after: .to(bf16) would round RoPE's fp32 inverse
+    # frequencies, which transformers computes in fp32 explicitly)
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = transformers.LlamaForCausalLM(hf_config(cfg)).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
+    copy_into_hf(ours, hf, cfg)
+    n_prompt, n_decode, S = args.hf_prompt, args.hf_decode, 16
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(1, cfg.vocab_size, (n_prompt,), generator=gen).tolist()
+    total = n_prompt + n_decode
+    kv = KVCache(cfg, -(-total // S) + 1, S, device, dtype)
+    table = list(range(-(-total // S)))
+    with torch.inference_mode():
+        meta = AttentionMetadata.build(list(range(n_prompt)), [table], [0, n_prompt], [n_prompt], device)
+        hidden = ours(torch.tensor(prompt, device=device), torch.arange(n_prompt, device=device), kv, meta)
+        prefill_logits = ours.logits(hidden)  # [n_prompt, V]
+    graphs = DecodeGraphs(ours, kv, device, 1, total, capture=device.type == "cuda")
+    tokens, decode_logits = [], []
+    nxt = int(prefill_logits[-1].argmax())
+    for j in range(n_decode):
+        tokens.append(nxt)
+        p = n_prompt + j
+        logits = graphs.run([nxt], [p], [table[p // S] * S + p % S], [table], [p + 1])[0]
+        decode_logits.append(logits.clone())
+        nxt = int(logits.argmax())
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([prompt + tokens], device=device)).logits[0].float()  # [total, V]
+    pre = compare(prefill_logits.float(), theirs[:n_prompt])
+    dec = compare(torch.stack(decode_logits).float(), theirs[n_prompt:])
+    record("transformers", preset=args.preset, dtype=str(dtype), prompt_tokens=n_prompt, decode_steps=n_decode,
+           prefill=pre, decode=dec, transformers_version=transformers.__version__)
+    print("prefill", pre, "decode", dec, flush=True)
+    tol_cos = 0.99 if dtype == torch.bfloat16 else 0.99999
+    assert pre["min_cosine"] > tol_cos and dec["min_cosine"] > tol_cos, "logits disagree with transformers"
+    del ours, hf, kv, graphs, theirs
+    free_memory()
+
+
+# --- engine ----------------------------------------------------------------------------------
+
+def _timed_request(engine, ids: list[int], params: SamplingParams) -> list[float]:
+    """Submit one request; returns the arrival time of each token (perf_counter), from submit = 0."""
+    done, stamps = threading.Event(), []
+    t0 = time.perf_counter()
+
+    def emit(out):
+        if isinstance(out, BaseException):
+            stamps.append(out)
+            done.set()
+            return
+        now = time.perf_counter() - t0
+        stamps.extend([now] * len(out.token_ids))
+        if out.finished:
+            done.set()
+
+    engine.submit(ids, params, emit)
+    done.wait()
+    if stamps and isinstance(stamps[-1], BaseException):
+        raise stamps[-1]
+    return stamps
+
+
+def section_engine(args, device) -> None:
+    from qml_runtime.loader import load_engine
+
+    t0 = time.perf_counter()
+    engine = load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
+                         kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
+                         kv_host_gib=0, progress=False)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.start()  # captures the decode graphs
+    record("engine", load_s=round(load_s, 1), start_s=round(time.perf_counter() - t0, 1),
+           kv_cache_tokens=engine.blocks.num_blocks * engine.blocks.block_size,
+           graph_buckets=engine.runner.graphs.buckets if engine.runner.graphs else None)
+    V = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(3)
+
+    def prompt(n):
+        return torch.randint(300, V, (n,), generator=gen).tolist()
+
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    for n in (args.sizes[0], args.sizes[-1]):
+        _timed_request(engine, prompt(n), one)  # warm-up: compiles, allocator
+    ttft = {}
+    for n in args.sizes:
+        times = [_timed_request(engine, prompt(n), one)[0] * 1e3 for _ in range(3)]
+        ttft[n] = round(statistics.median(times), 2)
+        print(f"TTFT {n}: {sorted(round(t, 2) for t in times)} ms", flush=True)
+    record("engine", ttft_ms=ttft)
+    decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
+    for mode in ("graphs", "eager"):
+        saved = engine.runner.graphs
+        if mode == "eager":
+            engine.runner.graphs = None
+        try:
+            stamps = _timed_request(engine, prompt(args.sizes[0]), decode)
+        finally:
+            engine.runner.graphs = saved
+        ms = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
+        record("engine", **{f"decode_ms_per_token_{mode}": round(ms, 3)})
+    # 32 conversations at once, each a new 2k-token prompt and 256 generated tokens
+    N, n_ctx = args.concurrency, args.concurrency_prompt
+    results, threads = [None] * N, []
+    t0 = time.perf_counter()
+    for i in range(N):
+        ids = prompt(n_ctx)
+        th = threading.Thread(target=lambda i=i, ids=ids: results.__setitem__(i, _timed_request(engine, ids, decode)))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    total = sum(len(r) for r in results)
+    steady = statistics.median((r[-1] - r[len(r) // 2]) / (len(r) - 1 - len(r) // 2) for r in results) * 1e3
+    record("engine", concurrency={"requests": N, "prompt_tokens": n_ctx, "tokens_each": args.decode_tokens,
+                                  "wall_s": round(wall, 2), "output_tokens_per_s": round(total / wall, 1),
+                                  "steady_ms_per_step": round(steady, 3),
+                                  "median_ttft_ms": round(statistics.median(r[0] for r in results) * 1e3, 1)})
+    engine.shutdown()
+    del engine
+    free_memory()
+
+
+# --- profile ---------------------------------------------------------------------------------
+
+def section_profile(args, device) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from qml_runtime.presets import PRESETS, random_model
+
+    preset = PRESETS[args.preset]
+    cfg = preset.config
+    dtype = torch.bfloat16
+    model = random_model(preset, device, dtype)
+    S, ctx = 16, 2340
+    kv = KVCache(cfg, -(-(ctx + 1) // S) + 1, S, device, dtype)
+    table = list(range(-(-(ctx + 1) // S)))
+    ids = torch.randint(300, cfg.vocab_size, (ctx,), device=device)
+    pos = torch.arange(ctx, device=device)
+    prefill_meta = AttentionMetadata.build(list(range(ctx)), [table], [0, ctx], [ctx], device)
+    decode_meta = AttentionMetadata.build([ctx], [table], [0, 1], [ctx + 1], device)
+
+    def prefill():
+        model.logits(model(ids, pos, kv, prefill_meta)[-1:])
+
+    def decode():
+        model.logits(model(ids[:1], pos[:1] + ctx, kv, decode_meta))
+
+    tables = {}
+    with torch.inference_mode():
+        for name, fn in (("prefill_2340", prefill), ("decode_b1_ctx2340", decode)):
+            for _ in range(3):
+                fn()
+            sync(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                sync(device)
+            rows = []
+            for e in prof.key_averages():
+                t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+                if t > 0:
+                    rows.append((e.key[:90], e.count, t / 1e3))
+            rows.sort(key=lambda r: -r[2])
+            total = sum(r[2] for r in rows)
+            tables[name] = {"total_gpu_ms": round(total, 3),
+                            "kernels": [{"kernel": k, "calls": c, "ms": round(ms, 3)} for k, c, ms in rows[:14]]}
+            print(name, "GPU total", round(total, 3), "ms", flush=True)
+            for k, c, ms in rows[:14]:
+                print(f"  {ms:8.3f} ms  {c:5d}x  {k}", flush=True)
+    record("profile", **tables)
+    del model, kv
+    free_memory()
+
+
+SECTIONS = {"attention": section_attention, "transformers": section_transformers, "engine": section_engine,
+            "profile": section_profile}
+
+
+def write(out: Path, stem: str, meta: dict) -> None:
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1, default=str))
+    lines = [f"# Engine on {meta['gpu']} ({meta['date']})", "", f"`{meta['command']}`", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, preset {meta['preset']}", ""]
+    for name, values in RESULTS.items():
+        lines += [f"## {name}", "", "```", json.dumps(values, indent=1, default=str), "```", ""]
+    (out / f"{stem}.md").write_text("\n".join(lines))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--preset", default="llama-3.1-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--sections", default="attention,transformers,engine,profile")
+    parser.add_argument("--sizes", default=",".join(map(str, SEED_SIZES)))
+    parser.add_argument("--hf-prompt", type=int, default=512)
+    parser.add_argument("--hf-decode", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--concurrency-prompt", type=int, default=2000)
+    parser.add_argument("--kv-cache-gib", type=float, default=40.0)
+    args = parser.parse_args()
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    device = torch.device(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    meta = {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "triton": triton.__version__, "preset": args.preset, "command": "python " + " ".join(sys.argv)}
+    stem = "engine-h200" if "H200" in gpu else f"engine-{device.type}"
+    failed = []
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            SECTIONS[name](args, device)
+        except Exception as exc:
+            traceback.print_exc()
+            failed.append(name)
+            record(name, error=f"{type(exc).__name__}: {exc}")
+        record(name, seconds=round(time.perf_counter() - t0, 1))
+        write(args.out, stem, meta)
+        free_memory()
+    print("failed sections:", failed or "none", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

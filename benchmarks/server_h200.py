@@ -1,0 +1,159 @@
+"""Drive `qml serve` + `qml bench` on the GPU machine: the seed table and the sessions table.
+
+    python benchmarks/server_h200.py serve --out DIR      # qml bench serve (+ --concurrency 32)
+    python benchmarks/server_h200.py sessions --out DIR   # histories in GPU, host RAM, disk after restart
+
+``serve``: starts ``qml serve --model preset:llama-3.1-8b --random-weights``, runs ``qml bench
+serve`` with the seed table's sizes and 32 concurrent 2k-token conversations, stops it.
+
+``sessions``: one server with a small GPU pool, a host tier and a disk tier:
+1. ``qml bench sessions`` builds U conversations of T turns (~27k tokens of history each);
+2. the next turn (133 tokens) with the history in GPU memory, beside a fresh full prefill;
+3. unrelated prompts push the histories out of the GPU pool; the next turn comes from host RAM;
+4. the server is stopped, the store's files are dropped from the page cache
+   (``posix_fadvise(DONTNEED)``: a cold read, without root), a new server starts on the same
+   directory, and the next turn's history comes from disk.
+Everything the benches print and write lands under --out, with the server logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PORT = 8011
+BASE = f"http://127.0.0.1:{PORT}"
+
+
+PRESET = "llama-3.1-8b"
+SERVE_FLAGS: list[str] = []
+
+
+def start_server(out: Path, name: str, *flags: str) -> subprocess.Popen:
+    log = open(out / f"server-{name}.log", "w")
+    cmd = [sys.executable, "-m", "qml_server", "serve", "--model", f"preset:{PRESET}", "--random-weights",
+           "--port", str(PORT), *SERVE_FLAGS, *flags]
+    print("$", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    t0 = time.time()
+    while time.time() - t0 < 300:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see server-{name}.log")
+        try:
+            if httpx.get(f"{BASE}/health", timeout=2).status_code == 200:
+                print(f"server up in {time.time() - t0:.1f} s", flush=True)
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("server did not come up in 300 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def bench(out: Path, name: str, *args: str) -> int:
+    cmd = [sys.executable, "-m", "qml_server", "bench", *args, "--base-url", f"{BASE}/v1"]
+    print("$", " ".join(cmd), flush=True)
+    with open(out / f"bench-{name}.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    print((out / f"bench-{name}.log").read_text()[-3000:], flush=True)
+    return rc
+
+
+def drop_page_cache(directory: Path) -> int:
+    """Evict the store's files from the page cache, so the next read comes from the disk."""
+    n = 0
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            finally:
+                os.close(fd)
+    return n
+
+
+def run_serve(out: Path, prompt_tokens: str, concurrency: int) -> int:
+    proc = start_server(out, "serve")
+    try:
+        return bench(out, "serve", "serve", "--prompt-tokens", prompt_tokens, "--concurrency", str(concurrency),
+                     "--concurrency-prompt-tokens", "2000", "--out", str(out / "bench-serve.json"))
+    finally:
+        stop_server(proc)
+
+
+def run_sessions(out: Path, users: int, turns: int, turn_tokens: int, tier_flags: str, evict_tokens: int) -> int:
+    store = Path("/tmp/qml-kv-store")
+    shutil.rmtree(store, ignore_errors=True)
+    flags = (*tier_flags.split(), "--kv-disk-dir", str(store))
+    rc = 0
+    proc = start_server(out, "sessions-1", *flags)
+    try:
+        rc |= bench(out, "sessions-build", "sessions", "--users", str(users), "--turns", str(turns),
+                    "--turn-tokens", str(turn_tokens), "--reply-tokens", "64", "--session-ids",
+                    "--save", str(out / "conv-build.json"), "--out", str(out / "sessions-build.json"))
+        rc |= bench(out, "sessions-gpu", "sessions", "--resume", str(out / "conv-build.json"), "--turn-tokens", "133",
+                    "--fresh", "--save", str(out / "conv-gpu.json"), "--out", str(out / "sessions-gpu.json"))
+        rc |= bench(out, "sessions-host", "sessions", "--resume", str(out / "conv-gpu.json"), "--turn-tokens", "133",
+                    "--phase", "evict", "--evict-tokens", str(evict_tokens), "--fresh",
+                    "--save", str(out / "conv-host.json"), "--out", str(out / "sessions-host.json"))
+    finally:
+        stop_server(proc)
+    files = drop_page_cache(store)
+    print(f"dropped {files} store files from the page cache", flush=True)
+    proc = start_server(out, "sessions-2", *flags)
+    try:
+        rc |= bench(out, "sessions-disk", "sessions", "--resume", str(out / "conv-host.json"), "--turn-tokens", "133",
+                    "--fresh", "--out", str(out / "sessions-disk.json"))
+        metrics = httpx.get(f"{BASE}/metrics", timeout=10).text
+        (out / "metrics-after-restart.txt").write_text(metrics)
+    finally:
+        stop_server(proc)
+    return rc
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("serve", "sessions"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--users", type=int, default=2)
+    parser.add_argument("--turns", type=int, default=19)
+    parser.add_argument("--turn-tokens", type=int, default=1400)
+    parser.add_argument("--preset", default=PRESET)
+    parser.add_argument("--prompt-tokens", default="133,598,2340,8892,26926")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--tier-flags", default="--kv-cache-gib 16 --kv-host-gib 48 --kv-disk-gib 48",
+                        help="sessions: the pool and tier budgets")
+    parser.add_argument("--evict-tokens", type=int, default=160000)
+    parser.add_argument("--serve-flags", default="", help="more `qml serve` flags, space-separated")
+    args = parser.parse_args()
+    globals()["PRESET"] = args.preset
+    SERVE_FLAGS.extend(args.serve_flags.split())
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    rc = run_serve(args.out, args.prompt_tokens, args.concurrency) if args.mode == "serve" else run_sessions(
+        args.out, args.users, args.turns, args.turn_tokens, args.tier_flags, args.evict_tokens)
+    print(json.dumps({"mode": args.mode, "rc": rc, "seconds": round(time.time() - t0, 1)}), flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
