@@ -32,6 +32,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -92,7 +93,7 @@ def section_attention(args, device) -> None:
     gen = torch.Generator().manual_seed(1)
     H, Hkv, Dh, S = 32, 8, 128, 16
     scale = Dh**-0.5
-    for lens in ([133], [598, 37, 1000], [2340]):
+    for lens in ([4133], [598, 37, 5000], [8892]):
         q, kc, vc, meta = _paged(lens, H, Hkv, Dh, S, device, torch.bfloat16, gen)
         assert supported(q, kc, vc, meta, scale), f"cuDNN path does not take fresh prompts {lens}"
         ref = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, scale)
@@ -197,14 +198,19 @@ def section_transformers(args, device) -> None:
         hidden = ours(torch.tensor(prompt, device=device), torch.arange(n_prompt, device=device), kv, meta)
         prefill_logits = ours.logits(hidden)  # [n_prompt, V]
     graphs = DecodeGraphs(ours, kv, device, 1, total, capture=device.type == "cuda")
-    tokens, decode_logits = [], []
-    nxt = int(prefill_logits[-1].argmax())
-    for j in range(n_decode):
-        tokens.append(nxt)
-        p = n_prompt + j
-        logits = graphs.run([nxt], [p], [table[p // S] * S + p % S], [table], [p + 1])[0]
-        decode_logits.append(logits.clone())
-        nxt = int(logits.argmax())
+    # a sequence as the engine holds one: greedy, its KV in pages `table`
+    seq = SimpleNamespace(token_ids=prompt + [int(prefill_logits[-1].argmax())], num_computed=n_prompt,
+                          block_table=table, seed=0, num_output_tokens=1,
+                          params=SamplingParams(temperature=0.0, max_tokens=n_decode + 1))
+    decode_logits = []
+    for _ in range(n_decode):
+        nxt = int(graphs.run([seq])[0])  # sampled in the graph: greedy
+        decode_logits.append(graphs.last_logits[0].clone())
+        assert nxt == int(decode_logits[-1].argmax()), "the graph's greedy token is not its logits' argmax"
+        seq.num_computed += 1
+        seq.num_output_tokens += 1
+        seq.token_ids.append(nxt)
+    tokens = seq.token_ids[n_prompt:n_prompt + n_decode]
     with torch.inference_mode():
         theirs = hf(torch.tensor([prompt + tokens], device=device)).logits[0].float()  # [total, V]
     pre = compare(prefill_logits.float(), theirs[:n_prompt])
@@ -254,9 +260,21 @@ def section_engine(args, device) -> None:
     engine.start()  # captures the decode graphs
     record("engine", load_s=round(load_s, 1), start_s=round(time.perf_counter() - t0, 1),
            kv_cache_tokens=engine.blocks.num_blocks * engine.blocks.block_size,
-           graph_buckets=engine.runner.graphs.buckets if engine.runner.graphs else None)
+           decode_graph_buckets=engine.runner.graphs.buckets if engine.runner.graphs else None,
+           prefill_graph_buckets=engine.runner.prefill_graphs.buckets if engine.runner.prefill_graphs else None)
     V = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(3)
+
+    def loop_split():
+        """Engine-thread time per step since the last call: schedule / launch / wait / post (ms)."""
+        now = dict(engine.loop_seconds, launch=engine.runner.launch_seconds, steps=engine.loop_steps)
+        was, loop_split.last = loop_split.last, now
+        steps = max(1, now["steps"] - was["steps"])
+        per = {k: (now[k] - was[k]) * 1e3 / steps for k in ("schedule", "step", "post", "launch")}
+        per["wait"] = per.pop("step") - per["launch"]
+        return {k: round(v, 3) for k, v in per.items()} | {"steps": steps}
+
+    loop_split.last = dict(engine.loop_seconds, launch=engine.runner.launch_seconds, steps=engine.loop_steps)
 
     def prompt(n):
         return torch.randint(300, V, (n,), generator=gen).tolist()
@@ -264,13 +282,16 @@ def section_engine(args, device) -> None:
     one = SamplingParams(max_tokens=1, temperature=0.0)
     for n in (args.sizes[0], args.sizes[-1]):
         _timed_request(engine, prompt(n), one)  # warm-up: compiles, allocator
-    ttft = {}
+    ttft, loops = {}, {}
     for n in args.sizes:
+        loop_split()
         times = [_timed_request(engine, prompt(n), one)[0] * 1e3 for _ in range(3)]
         ttft[n] = round(statistics.median(times), 2)
-        print(f"TTFT {n}: {sorted(round(t, 2) for t in times)} ms", flush=True)
-    record("engine", ttft_ms=ttft)
+        loops[n] = loop_split()
+        print(f"TTFT {n}: {sorted(round(t, 2) for t in times)} ms; per step {loops[n]}", flush=True)
+    record("engine", ttft_ms=ttft, ttft_loop_ms=loops)
     decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
+
     for mode in ("graphs", "eager"):
         saved = engine.runner.graphs
         if mode == "eager":
@@ -280,7 +301,7 @@ def section_engine(args, device) -> None:
         finally:
             engine.runner.graphs = saved
         ms = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
-        record("engine", **{f"decode_ms_per_token_{mode}": round(ms, 3)})
+        record("engine", **{f"decode_ms_per_token_{mode}": round(ms, 3), f"decode_loop_ms_{mode}": loop_split()})
     # 32 conversations at once, each a new 2k-token prompt and 256 generated tokens
     N, n_ctx = args.concurrency, args.concurrency_prompt
     results, threads = [None] * N, []
@@ -293,6 +314,7 @@ def section_engine(args, device) -> None:
     for th in threads:
         th.join()
     wall = time.perf_counter() - t0
+    record("engine", concurrency_loop_ms=loop_split())
     total = sum(len(r) for r in results)
     steady = statistics.median((r[-1] - r[len(r) // 2]) / (len(r) - 1 - len(r) // 2) for r in results) * 1e3
     record("engine", concurrency={"requests": N, "prompt_tokens": n_ctx, "tokens_each": args.decode_tokens,

@@ -1,8 +1,11 @@
 """Prefill attention through cuDNN (torch's SDPA cuDNN backend), for the batches it covers.
 
-cuDNN's fused attention reaches ~530-570 TFLOP/s on the H200 at prefill sizes where our
-Triton kernel reaches ~320 (benchmarks/results/attention-h200-2026-11-30.md), so a fresh
-prompt (no cached context: every query row's sequence has ``n_q == L``) goes to it. What
+cuDNN's fused attention reaches ~580-600 TFLOP/s on the H200 on long prompts where our
+Triton kernel reaches ~300-350 (benchmarks/results/engine-h200-2026-11-30.md: 1.12 vs 2.18 ms
+per layer at 8,892 tokens, 9.98 vs 16.9 ms at 26,926), so a long fresh prompt (no cached
+context: every query row's sequence has ``n_q == L``) goes to it. Below ~4k tokens a call
+costs a fixed ~0.3 ms (0.31-0.34 ms from 133 to 2,340 tokens, where Triton takes 0.08-0.20),
+so short prompts stay with Triton (``CUDNN_MIN_TOKENS``). What
 torch's SDPA API cannot express stays with the Triton kernel: queries over cached pages
 (chunked prefill, prefix hits, decode rows), sliding windows, sinks and soft-capping.
 
@@ -19,6 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from qml_kernels.attention import AttentionMetadata
+
+
+CUDNN_MIN_TOKENS = 4096  # the longest prompt of the batch; the crossover lies between 2,340 and 8,892
 
 
 @functools.cache
@@ -48,7 +54,8 @@ def supported(q, k_cache, v_cache, meta, scale, sliding_window=None, sinks=None,
             and k_cache.dtype == v_cache.dtype == q.dtype and q.shape[2] % 8 == 0 and q.shape[2] <= 128
             and q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] == k_cache.shape[3]
             and sliding_window is None and sinks is None and softcap is None
-            and is_fresh_prefill(meta) and cudnn_sdpa_works(q.device.index or 0))
+            and max(meta.context_lens_host) >= CUDNN_MIN_TOKENS and is_fresh_prefill(meta)
+            and cudnn_sdpa_works(q.device.index or 0))
 
 
 def paged_prefill_attention_cudnn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

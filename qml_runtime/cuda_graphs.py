@@ -1,27 +1,33 @@
-"""Decode steps replayed from CUDA graphs.
+"""Engine steps replayed from CUDA graphs: decode batches, and short single-prompt prefills.
 
-A decode step of Llama-3.1-8B launches ~300 kernels (32 layers x norms, GEMMs, RoPE + KV
-write, attention, activation) whose GPU time is ~4 ms at batch 1; launched one by one from
-Python, the host side alone takes longer than that. A CUDA graph records the launches once
-and replays them with one call.
+A forward pass of Llama-3.1-8B launches ~300 kernels (32 layers x norms, GEMMs, RoPE + KV
+write, attention, activation). Launched one by one from Python that takes ~20 ms of host
+time, while the GPU needs ~4.5 ms for a decode step and ~7 ms for a 133-token prompt. A
+CUDA graph records the launches once and replays them with one call.
 
-A graph replays fixed shapes and fixed addresses, so every input of a decode step lives in
-a static buffer, and batches are padded up to the next captured batch size (a bucket):
+A graph replays fixed shapes at fixed addresses, so every input of a step lives in a static
+buffer, filled from one pinned host staging area per step (a few copies), and a batch is
+padded up to the next captured size (a bucket):
 
-- token ids, positions, cache slots ``[B]``; padding rows write nowhere (slot -1);
-- block tables ``[B, max_pages]`` with the full width a sequence can ever need, so a
-  growing context never changes the shape;
-- context lengths ``[B]``; padding rows have length 0 and attend to nothing;
-- the split count of the decode attention is chosen on the host from the longest
-  possible context (``decode_num_splits``), so it is fixed per bucket: the kernel finds
-  each split's share of the keys from the real lengths on the device.
+- decode (B sequences, one token each), buckets of B: token ids, positions, cache slots
+  ``[B]`` (padding rows write nowhere: slot -1), block tables ``[B, max_pages]`` with the
+  full width a sequence can ever need, context lengths ``[B]`` (padding rows: 0, they attend
+  to nothing);
+- prefill (one sequence, n tokens, any cached context before them), buckets of T >= n:
+  the padding rows form a second sequence of ``T - n`` tokens that writes no K/V and whose
+  output is dropped, so the attention kernel's grid (from T and B = 2) stays fixed while
+  the real lengths sit on the device.
 
-The graphs share one memory pool and are captured largest first, so the smaller ones
-reuse its blocks. The logits head runs inside the graph; sampling runs after it (its
-parameters change per step, and it is a few kernels).
+Launch shapes chosen on the host are pinned for the capture: the decode attention's split
+count comes from the longest possible context, and the host lists say "not a fresh prompt"
+so the Triton attention (whose grid needs only T and B) is captured rather than cuDNN.
 
-With ``capture=False`` the same padded static-buffer path runs eagerly: that is how it is
-tested on machines without a GPU.
+The logits head and the sampler run inside the graph (sampling parameters are static
+buffers too), so a step costs one replay and one copy of the tokens back.
+
+All graphs share one memory pool and are captured largest first, so smaller ones reuse its
+blocks. With ``capture=False`` the same padded static-buffer path runs eagerly: that is how
+it is tested on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import time
 import torch
 
 from qml_kernels.attention import AttentionMetadata
+from qml_kernels.sampling import sample
 
 log = logging.getLogger("qml.cuda_graphs")
 
@@ -43,99 +50,236 @@ def decode_buckets(max_batch: int) -> list[int]:
     return sorted({b for b in sizes if b <= max_batch} | {max_batch})
 
 
-class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv, device: torch.device, max_batch: int, max_context: int,
-                 capture: bool = True):
+# Prompt chunks up to 1024 tokens: beyond that the GPU time of a step exceeds its host time
+# and eager launches are hidden behind it.
+PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+class _Sampling:
+    """Static per-row sampling parameters (filled per step) and the step's sampled tokens."""
+
+    def __init__(self, rows: int, device: torch.device):
+        self.floats = torch.zeros(3, rows, dtype=torch.float32, device=device)  # temperature, top_p, min_p
+        self.ints = torch.zeros(3, rows, dtype=torch.int64, device=device)  # top_k, seed, step
+        self.floats[1] = 1.0
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        n = logits.shape[0]
+        f, i = self.floats[:, :n], self.ints[:, :n]
+        return sample(logits, f[0], i[0], f[1], f[2], i[1], i[2])
+
+    @staticmethod
+    def host_rows(seqs: list, floats: torch.Tensor, ints: torch.Tensor) -> None:
+        params = [s.params for s in seqs]
+        B = len(seqs)
+        floats[:, :B] = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
+                                      [p.min_p for p in params]], dtype=torch.float32)
+        ints[:, :B] = torch.tensor([[p.top_k for p in params], [s.seed for s in seqs],
+                                    [s.num_output_tokens for s in seqs]], dtype=torch.int64)
+
+
+class _GraphFamily:
+    """Shared machinery: a graph per bucket, captured on a side stream into a shared pool."""
+
+    name = "step"
+
+    def __init__(self, model: torch.nn.Module, kv, device: torch.device, buckets: list[int], max_context: int,
+                 capture: bool, pool=None):
         self.model, self.kv, self.device = model, kv, device
         self.block_size = kv.block_size
-        self.buckets = decode_buckets(max_batch)
-        self.max_batch = self.buckets[-1]
+        self.buckets = buckets
         self.max_pages = -(-max_context // self.block_size)
         self.capture_enabled = capture
-        B, dev = self.max_batch, device
-        self.input_ids = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.slots = torch.full((B,), -1, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros(B, self.max_pages, dtype=torch.int32, device=dev)
-        self.context_lens = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.cu_seqlens = torch.arange(B + 1, dtype=torch.int32, device=dev)
-        # one staging row per input, filled on the host and sent in one copy per step
-        pin = dev.type == "cuda"
-        self._host = torch.zeros(4, B, dtype=torch.int64, pin_memory=pin)
-        self._host_tables = torch.zeros(B, self.max_pages, dtype=torch.int32, pin_memory=pin)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self.pool = pool
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.last_logits: torch.Tensor | None = None  # the last step's logits (for checks)
+        self.pinned = device.type == "cuda"
 
-    def fits(self, batch_size: int, max_pages: int) -> bool:
-        return batch_size <= self.max_batch and max_pages <= self.max_pages
+    def bucket(self, size: int) -> int:
+        return next(b for b in self.buckets if b >= size)
 
-    def bucket(self, batch_size: int) -> int:
-        return next(b for b in self.buckets if b >= batch_size)
+    def _forward(self, n: int, capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (sampled tokens, their logits)"""
+        raise NotImplementedError
 
-    def _meta(self, n: int, context_lens_host: list[int]) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slots[:n], block_tables=self.block_tables[:n], cu_seqlens_q=self.cu_seqlens[:n + 1],
-            context_lens=self.context_lens[:n], cu_seqlens_q_host=list(range(n + 1)),
-            context_lens_host=context_lens_host)
-
-    def _forward(self, n: int, context_lens_host: list[int]) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:n], self.positions[:n], self.kv, self._meta(n, context_lens_host))
-        return self.model.logits(hidden)  # [n, V] fp32
+    def _before_capture(self, n: int) -> None:
+        raise NotImplementedError
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every bucket, largest first (they share one memory pool)."""
         t0 = time.perf_counter()
         for n in reversed(self.buckets):
             if n not in self._graphs:
                 self._capture(n)
-        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.buckets, time.perf_counter() - t0)
+        log.info("captured %s CUDA graphs for sizes %s in %.1f s", self.name, self.buckets, time.perf_counter() - t0)
 
     def _capture(self, n: int) -> None:
-        # the longest context any sequence can have fixes the kernels' launch shapes (split count)
-        worst = [self.max_pages * self.block_size] * n
-        self.slots.fill_(-1)  # the warm-up and capture runs must not write into anybody's pages
-        self.context_lens.fill_(1)
+        self._before_capture(n)  # inputs that write no K/V into anybody's pages
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._forward(n, worst)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            self._forward(n, capturing=True)  # warm-up: Triton compiles, cuBLAS picks its kernels
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(n, worst)
-        self._graphs[n] = (graph, logits)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            tokens, logits = self._forward(n, capturing=True)
+        self._graphs[n] = (graph, tokens, logits)
+
+    def _replay(self, n: int) -> torch.Tensor | None:
+        """The bucket's tokens after a replay, or None when a capture clobbered the inputs (fill again)."""
+        if n not in self._graphs:
+            self._capture(n)
+            return None
+        graph, tokens, self.last_logits = self._graphs[n]
+        graph.replay()
+        return tokens
+
+    def _eager(self, n: int) -> torch.Tensor:
+        tokens, self.last_logits = self._forward(n, capturing=False)
+        return tokens
+
+
+class DecodeGraphs(_GraphFamily):
+    name = "decode"
+
+    def __init__(self, model, kv, device, max_batch: int, max_context: int, capture: bool = True, pool=None):
+        super().__init__(model, kv, device, decode_buckets(max_batch), max_context, capture, pool)
+        B, dev = self.buckets[-1], device
+        self.max_batch = B
+        # rows: token id, position, slot, context length
+        self.inputs = torch.zeros(4, B, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(B, self.max_pages, dtype=torch.int32, device=dev)
+        self.context_lens = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.cu_seqlens = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        self.sampling = _Sampling(B, dev)
+        self._host = torch.zeros(4, B, dtype=torch.int64, pin_memory=self.pinned)
+        self._host_f = torch.zeros(3, B, dtype=torch.float32, pin_memory=self.pinned)
+        self._host_i = torch.zeros(3, B, dtype=torch.int64, pin_memory=self.pinned)
+        self._host_tables = torch.zeros(B, self.max_pages, dtype=torch.int32, pin_memory=self.pinned)
+        self._eager_lens: list[int] = []
+
+    def fits(self, batch_size: int, max_pages: int) -> bool:
+        return batch_size <= self.max_batch and max_pages <= self.max_pages
+
+    def _forward(self, n: int, capturing: bool) -> torch.Tensor:
+        # capturing: the longest possible context fixes the attention's launch shape (split count)
+        lens = [self.max_pages * self.block_size] * n if capturing else self._eager_lens
+        meta = AttentionMetadata(
+            slot_mapping=self.inputs[2, :n], block_tables=self.block_tables[:n], cu_seqlens_q=self.cu_seqlens[:n + 1],
+            context_lens=self.context_lens[:n], cu_seqlens_q_host=list(range(n + 1)), context_lens_host=lens)
+        hidden = self.model(self.inputs[0, :n], self.inputs[1, :n], self.kv, meta)
+        logits = self.model.logits(hidden)  # [n, V] fp32
+        return self.sampling.sample(logits), logits
+
+    def _before_capture(self, n: int) -> None:
+        self.inputs[2].fill_(-1)
+        self.context_lens.fill_(1)
 
     @torch.inference_mode()
-    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            context_lens: list[int]) -> torch.Tensor:
-        """One decode step for B sequences -> logits [B, V] (fp32)."""
-        B = len(ids)
+    def run(self, seqs: list) -> torch.Tensor:
+        """One decode step for ``seqs`` (each has exactly its last token uncomputed) -> tokens [B] on the device."""
+        B, S = len(seqs), self.block_size
         n = self.bucket(B)
-        host = self._host
+        host, tables = self._host, self._host_tables
         host[:, B:n] = 0
         host[2, B:n] = -1  # padding rows write no K/V
-        host[0, :B] = torch.tensor(ids)
-        host[1, :B] = torch.tensor(positions)
-        host[2, :B] = torch.tensor(slots)
-        host[3, :B] = torch.tensor(context_lens)
-        width = max(len(t) for t in tables)
-        table_rows = self._host_tables[:n, :width]
-        table_rows.zero_()
-        for i, t in enumerate(tables):
-            table_rows[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        self.input_ids[:n].copy_(host[0, :n], non_blocking=True)
-        self.positions[:n].copy_(host[1, :n], non_blocking=True)
-        self.slots[:n].copy_(host[2, :n], non_blocking=True)
+        rows = []
+        for s in seqs:
+            p = s.num_computed
+            rows.append((s.token_ids[p], p, s.block_table[p // S] * S + p % S, p + 1))
+        host[:, :B] = torch.tensor(rows, dtype=torch.int64).T
+        width = max(len(s.block_table) for s in seqs)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        _Sampling.host_rows(seqs, self._host_f, self._host_i)
+        self._host_f[:, B:n] = 0.0  # padding rows: greedy
+        self._host_i[:, B:n] = 0
+        self.inputs[:, :n].copy_(host[:, :n], non_blocking=True)
         self.context_lens[:n].copy_(host[3, :n], non_blocking=True)
-        self.block_tables[:n, :width].copy_(table_rows, non_blocking=True)
-        if self.capture_enabled:
-            if n not in self._graphs:
-                self._capture(n)
-                return self.run(ids, positions, slots, tables, context_lens)  # the capture clobbered the buffers
-            graph, logits = self._graphs[n]
-            graph.replay()
-            return logits[:B]
-        return self._forward(n, context_lens + [0] * (n - B))[:B]
+        self.block_tables[:n, :width].copy_(tables[:n, :width], non_blocking=True)
+        self.sampling.floats[:, :n].copy_(self._host_f[:, :n], non_blocking=True)
+        self.sampling.ints[:, :n].copy_(self._host_i[:, :n], non_blocking=True)
+        if not self.capture_enabled:
+            self._eager_lens = host[3, :n].tolist()
+            return self._eager(n)[:B]
+        tokens = self._replay(n)
+        return self.run(seqs) if tokens is None else tokens[:B]
+
+
+class PrefillGraphs(_GraphFamily):
+    name = "prefill"
+
+    def __init__(self, model, kv, device, max_context: int, capture: bool = True, pool=None,
+                 buckets: tuple[int, ...] = PREFILL_BUCKETS):
+        super().__init__(model, kv, device, list(buckets), max_context, capture, pool)
+        T, dev = self.buckets[-1], device
+        self.max_tokens = T
+        self.inputs = torch.zeros(3, T, dtype=torch.int64, device=dev)  # token id, position, slot
+        # sequence 0 is the real one, sequence 1 the padding (its table row stays all page 0)
+        self.block_tables = torch.zeros(2, self.max_pages, dtype=torch.int32, device=dev)
+        self.lens = torch.zeros(2, 3, dtype=torch.int32, device=dev)  # row 0: cu_seqlens_q, row 1: context_lens
+        self.last_row = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.sampling = _Sampling(1, dev)
+        self._host = torch.zeros(3, T, dtype=torch.int64, pin_memory=self.pinned)
+        self._host_lens = torch.zeros(2, 3, dtype=torch.int32, pin_memory=self.pinned)
+        self._host_last = torch.zeros(1, dtype=torch.int64, pin_memory=self.pinned)
+        self._host_f = torch.zeros(3, 1, dtype=torch.float32, pin_memory=self.pinned)
+        self._host_i = torch.zeros(3, 1, dtype=torch.int64, pin_memory=self.pinned)
+        self._host_table = torch.zeros(self.max_pages, dtype=torch.int32, pin_memory=self.pinned)
+        self._eager_host: tuple[list[int], list[int]] = ([], [])
+
+    def fits(self, num_tokens: int, num_pages: int) -> bool:
+        return 1 < num_tokens <= self.max_tokens and num_pages <= self.max_pages
+
+    def _forward(self, T: int, capturing: bool) -> torch.Tensor:
+        if capturing:
+            # host lists that only size the launch: two sequences, T rows, not a fresh prompt
+            cu_host, ctx_host = [0, T - 1, T], [self.max_pages * self.block_size] * 2
+        else:
+            cu_host, ctx_host = self._eager_host
+        meta = AttentionMetadata(
+            slot_mapping=self.inputs[2, :T], block_tables=self.block_tables, cu_seqlens_q=self.lens[0],
+            context_lens=self.lens[1, :2], cu_seqlens_q_host=cu_host, context_lens_host=ctx_host)
+        hidden = self.model(self.inputs[0, :T], self.inputs[1, :T], self.kv, meta)  # [T, D]
+        logits = self.model.logits(hidden.index_select(0, self.last_row))  # [1, V]
+        return self.sampling.sample(logits), logits
+
+    def _before_capture(self, T: int) -> None:
+        self.inputs[2].fill_(-1)
+        self.lens[0].copy_(torch.tensor([0, T - 1, T], dtype=torch.int32))
+        self.lens[1].copy_(torch.tensor([T - 1, 1, 0], dtype=torch.int32))
+
+    @torch.inference_mode()
+    def run(self, seq, n: int) -> torch.Tensor:
+        """Compute the next ``n`` tokens of ``seq`` -> the token sampled after them, [1] on the device
+        (meaningful when they end the sequence's uncomputed tokens)."""
+        T, S = self.bucket(n), self.block_size
+        start = seq.num_computed
+        L = start + n
+        host = self._host
+        host[0, :n] = torch.tensor(seq.token_ids[start:L], dtype=torch.int64)
+        pos = torch.arange(start, L)
+        host[1, :n] = pos
+        table = torch.tensor(seq.block_table, dtype=torch.int32)
+        host[2, :n] = table[pos // S].long() * S + pos % S
+        host[:, n:T] = 0
+        host[2, n:T] = -1  # padding rows write no K/V
+        self._host_lens[0] = torch.tensor([0, n, T], dtype=torch.int32)
+        self._host_lens[1] = torch.tensor([L, T - n, 0], dtype=torch.int32)  # padding: T - n rows over T - n keys
+        self._host_last[0] = n - 1
+        width = len(seq.block_table)
+        self._host_table[:width] = table
+        _Sampling.host_rows([seq], self._host_f, self._host_i)
+        self.inputs[:, :T].copy_(host[:, :T], non_blocking=True)
+        self.lens.copy_(self._host_lens, non_blocking=True)
+        self.last_row.copy_(self._host_last, non_blocking=True)
+        self.block_tables[0, :width].copy_(self._host_table[:width], non_blocking=True)
+        self.sampling.floats.copy_(self._host_f, non_blocking=True)
+        self.sampling.ints.copy_(self._host_i, non_blocking=True)
+        if not self.capture_enabled:
+            self._eager_host = ([0, n, T], [L, T - n])
+            return self._eager(T)
+        tokens = self._replay(T)
+        return self.run(seq, n) if tokens is None else tokens

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import random
+import sys
 import threading
 import time
 import uuid
@@ -22,7 +23,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from qml_runtime.config import CacheConfig, ModelConfig, SchedulerConfig
-from qml_runtime.cuda_graphs import DecodeGraphs
+from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
 from qml_runtime.detokenizer import IncrementalDetokenizer
 from qml_runtime.kv.block_manager import BlockManager
 from qml_runtime.kv.cache import KVCache
@@ -68,10 +69,13 @@ class Engine:
         if self.tiers is not None:
             self.blocks.on_evict = self.tiers.spill
         self.scheduler = Scheduler(scheduler, self.blocks, fingerprint, cache.enable_prefix_caching, self.tiers)
-        graphs = None
+        graphs = {}
         if cuda_graphs and device.type == "cuda":
-            graphs = DecodeGraphs(model, self.kv, device, scheduler.max_num_seqs, self.context_length)
-        self.runner = ModelRunner(model, self.kv, device, decode_graphs=graphs)
+            pool = torch.cuda.graph_pool_handle()  # one memory pool: the graphs never run at once
+            graphs["prefill_graphs"] = PrefillGraphs(model, self.kv, device, self.context_length, pool=pool)
+            graphs["decode_graphs"] = DecodeGraphs(model, self.kv, device, scheduler.max_num_seqs,
+                                                   self.context_length, pool=pool)
+        self.runner = ModelRunner(model, self.kv, device, **graphs)
         self._info = dict(info or {})
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -80,6 +84,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._observe_queue_time: Callable[[float], None] | None = None
+        # where the engine thread's time goes, cumulative: scheduling, the device step (launch to
+        # tokens on the host), and the rest (commit, detokenize, emit)
+        self.loop_seconds = {"schedule": 0.0, "step": 0.0, "post": 0.0}
+        self.loop_steps = 0
 
     def _make_tiers(self, cache: CacheConfig, fingerprint: bytes) -> KVTiers | None:
         if not cache.enable_prefix_caching or (cache.host_bytes == 0 and cache.disk_dir is None):
@@ -96,8 +104,11 @@ class Engine:
 
     def start(self) -> None:
         if self._thread is None:
-            if self.runner.graphs is not None and self.runner.graphs.capture_enabled:
-                self.runner.graphs.capture_all()  # before serving: capturing later would stall requests
+            self.runner.capture()  # CUDA graphs before serving: capturing later would stall requests
+            # The loop shares the GIL with whoever consumes its tokens (the server's event loop).
+            # Python's default 5 ms switch interval lets either hold it that long while the other
+            # has a step to launch or a token to send: 0.5 ms keeps those waits short.
+            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="qml-engine", daemon=True)
             self._thread.start()
@@ -244,6 +255,7 @@ class Engine:
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
+            t_start = time.perf_counter()
             try:
                 batch = self.scheduler.schedule()
             except Exception as exc:  # a scheduler bug must not kill the loop, nor hang the requests
@@ -259,6 +271,7 @@ class Engine:
             self._note_first_scheduled(batch.seqs)
             prefill = sum(n for n in batch.num_tokens if n > 1)
             t0 = time.perf_counter()
+            self.loop_seconds["schedule"] += t0 - t_start
             try:
                 tokens = self.runner.step(batch)
             except Exception as exc:  # a failed step fails its requests, not the server
@@ -266,9 +279,12 @@ class Engine:
                 for seq in batch.seqs:
                     self._fail(seq, exc)
                 continue
+            t1 = time.perf_counter()
+            self.loop_seconds["step"] += t1 - t0
+            self.loop_steps += 1
             if self.tiers is not None and prefill >= 64:
                 # the rate the restore planner weighs copying KV in against
-                self.tiers.planner.observe("prefill", prefill, time.perf_counter() - t0)
+                self.tiers.planner.observe("prefill", prefill, t1 - t0)
             for seq in batch.seqs:
                 self.scheduler.commit(seq)  # before any finishes: its pages are named, then released
             for seq, token in zip(batch.seqs, tokens):
@@ -279,6 +295,7 @@ class Engine:
                 except Exception as exc:
                     log.exception("request %s failed after its step", seq.request_id)
                     self._fail(seq, exc)
+            self.loop_seconds["post"] += time.perf_counter() - t1
         for seq in list(self._seqs.values()):
             self._finish(seq, "abort", "")
 

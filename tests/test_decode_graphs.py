@@ -1,6 +1,7 @@
-"""The CUDA-graph decode path's inputs, on CPU: static buffers, bucket padding and full-width
-block tables give the same tokens as the plain path (the graphs themselves need a GPU; the
-H200 run in benchmarks/engine_h200.py checks them there)."""
+"""The CUDA-graph paths' inputs, on CPU: static buffers, bucket padding (decode batches and
+single-prompt prefills, with the padding as a second sequence), full-width block tables and
+in-graph sampling give the same tokens as the plain path. The graphs themselves need a GPU;
+benchmarks/engine_h200.py checks them on the H200."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import concurrent.futures as cf
 import pytest
 
 from qml_runtime.config import CacheConfig, SchedulerConfig
-from qml_runtime.cuda_graphs import DecodeGraphs, decode_buckets
+from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs, decode_buckets
 from qml_runtime.engine import Engine
 from qml_runtime.sampling_params import SamplingParams
 
@@ -23,13 +24,16 @@ def test_buckets_cover_every_batch_size(max_batch):
         assert pad <= max(b, 16)
 
 
-def _engine(engine, graphs: bool, block_size: int = 16) -> Engine:
+def _engine(engine, graphs: bool, block_size: int = 16, prefix_caching: bool = False) -> Engine:
     eng = Engine(engine.model, engine.tokenizer, engine.model_config, model_id="t", device=engine.device,
                  dtype=engine.dtype, cache=CacheConfig(block_size=block_size, num_blocks=200,
-                                                       enable_prefix_caching=False),
+                                                       enable_prefix_caching=prefix_caching),
                  scheduler=SchedulerConfig(max_num_seqs=6))
     if graphs:
         eng.runner.graphs = DecodeGraphs(engine.model, eng.kv, engine.device, 6, eng.context_length, capture=False)
+        # small buckets, so prompts pad, and longer ones than the largest run eagerly
+        eng.runner.prefill_graphs = PrefillGraphs(engine.model, eng.kv, engine.device, eng.context_length,
+                                                  capture=False, buckets=(8, 16, 40))
     return eng
 
 
@@ -52,11 +56,41 @@ def test_padded_static_decode_matches_plain_decode(engine):
               for i in range(len(texts))]
     plain = _run_concurrently(_engine(engine, graphs=False), prompts, params)
     eng = _engine(engine, graphs=True, block_size=8)  # small pages: tables grow during decode
-    calls = []
-    run = eng.runner.graphs.run
-    eng.runner.graphs.run = lambda *a: calls.append(len(a[0])) or run(*a)
+    calls, prefills = [], []
+    run, prefill = eng.runner.graphs.run, eng.runner.prefill_graphs.run
+    eng.runner.graphs.run = lambda seqs: calls.append(len(seqs)) or run(seqs)
+    eng.runner.prefill_graphs.run = lambda seq, n: prefills.append(n) or prefill(seq, n)
     padded = _run_concurrently(eng, prompts, params)
     assert calls and max(calls) > 1, "the static-buffer path did not run on batched decode"
-    assert any(c not in eng.runner.graphs.buckets for c in calls), "no step needed padding"
+    assert any(c not in eng.runner.graphs.buckets for c in calls), "no decode step needed padding"
+    assert any(n not in (8, 16, 40) for n in prefills), "no prefill needed padding"
     for a, b in zip(plain, padded):
         assert a.token_ids == b.token_ids and a.text == b.text
+
+
+def test_padded_prefill_over_a_cached_prefix_matches_plain(engine):
+    """Turn 2 of a conversation: its new tokens go through the padded prefill path on top of
+    the pages turn 1 left in the prefix cache."""
+    tok = engine.tokenizer
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    outputs = {}
+    for graphs in (False, True):
+        eng = _engine(engine, graphs=graphs, prefix_caching=True)
+        eng.start()
+        try:
+            messages = [{"role": "user", "content": "Name a fruit."}]
+            first = eng.generate_sync(tok.apply_chat_template(messages), greedy)
+            messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Another?"}]
+            ids = tok.apply_chat_template(messages)
+            if graphs:
+                seen = []
+                prefill = eng.runner.prefill_graphs.run
+                eng.runner.prefill_graphs.run = lambda seq, n: seen.append((seq.num_computed, n)) or prefill(seq, n)
+            second = eng.generate_sync(ids, greedy)
+            assert second.cached_tokens > 0
+            if graphs:
+                assert any(start > 0 for start, _ in seen), "turn 2 did not go through the padded prefill path"
+            outputs[graphs] = (first.token_ids, second.token_ids)
+        finally:
+            eng.shutdown()
+    assert outputs[True] == outputs[False]
