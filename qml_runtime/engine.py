@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent import futures
 import queue
 import random
 import sys
@@ -142,7 +143,8 @@ class Engine:
             t = self.tiers.stats
             restores = {"kv_restored_blocks": {"host": t.restored_host, "disk": t.restored_disk},
                         "kv_spilled_blocks": {"host": t.spilled_host, "disk": t.written_disk},
-                        "kv_recomputed_blocks": t.skipped_disk, "kv_restore_seconds": t.restore_seconds}
+                        "kv_recomputed_blocks": t.skipped_disk, "kv_restore_seconds": t.restore_seconds,
+                        "kv_restore_plans": dict(t.plans)}
         return {
             **restores,
             "num_requests_running": len(self.scheduler.running),
@@ -264,10 +266,17 @@ class Engine:
                     self._fail(seq, exc)
                 continue
             if not batch:
+                loads = self.scheduler.loading()
+                if loads:  # everything runnable waits for blocks streaming in from disk
+                    futures.wait([load.future for load in loads], timeout=0.05,
+                                 return_when=futures.FIRST_COMPLETED)
+                    continue
                 # nothing running and the head of the queue does not fit: it never will
                 seq = self.scheduler.waiting[0]
                 self._fail(seq, MemoryError("the KV cache cannot hold this request"))
                 continue
+            if self.tiers is not None:
+                self.tiers.flush_spills()  # pages evicted while scheduling are copied out before reuse
             self._note_first_scheduled(batch.seqs)
             prefill = sum(n for n in batch.num_tokens if n > 1)
             t0 = time.perf_counter()

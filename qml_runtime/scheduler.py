@@ -64,7 +64,9 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed, budget)
+            n = min(self._computable(seq), budget)
+            if n == 0:
+                continue  # waiting for blocks to stream in
             if not self._reserve(seq, n, batch):
                 continue
             batch.seqs.append(seq)
@@ -73,58 +75,109 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._admit(seq, budget)
-            if n == 0:
+            if n is None:
                 break  # keep arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
-            budget -= n
+            if n:
+                batch.seqs.append(seq)
+                batch.num_tokens.append(n)
+                budget -= n
         return batch
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
-        """Put the cached prefix of ``seq`` under it and pages for its first chunk; returns the
-        chunk's token count, or 0 if it does not fit (it waits).
+    def _computable(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` that can be computed now: up to where blocks are streaming in, and
+        past them once they have landed (copied into their pages here)."""
+        load = seq.pending_load
+        if load is not None and seq.num_computed == load.start:
+            if not load.done():
+                return 0
+            self._finish_load(seq)
+            load = seq.pending_load
+        if load is not None:
+            return load.start - seq.num_computed
+        return seq.num_uncomputed
 
-        The prefix is the run of full blocks found on GPU pages, continued by blocks found
-        in host RAM or on disk (copied into fresh pages) while that beats recomputing them.
+    def loading(self) -> list:
+        """Pending loads of running sequences that wait for nothing else."""
+        return [s.pending_load for s in self.running
+                if s.pending_load is not None and s.num_computed == s.pending_load.start]
+
+    def _finish_load(self, seq: Sequence) -> None:
+        load, seq.pending_load = seq.pending_load, None
+        S = self.blocks.block_size
+        try:
+            landed = self.tiers.apply_load(load)
+        except Exception:  # a failed read is a miss: those blocks are computed instead
+            landed = 0
+        first = load.start // S
+        for j in range(landed):
+            self.blocks.register(load.pages[j], load.names[j], load.tokens[j])
+        seq.num_computed = load.start + landed * S
+        if seq.num_committed == first:
+            seq.num_committed = first + landed
+        missed = (load.end - load.start) // S - landed
+        if missed:  # what did not land is computed instead, on the pages it would have filled
+            seq.num_cached -= missed * S
+            self.prefix_hits -= missed * S
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Put the cached prefix of ``seq`` under it and pages for it; returns the first chunk's token
+        count (0: it first waits for blocks streaming in), or None if it does not fit (it waits).
+
+        The prefix is the run of full blocks found on GPU pages, continued by blocks found in host
+        RAM or on disk, as the restore plan says: copied in now (host), recomputed, or streamed in
+        while the blocks before them are recomputed (``RestorePlanner.plan``).
         """
+        S = self.blocks.block_size
         pages = self._cached_prefix(seq) if self.prefix_caching else []
         below = self._restorable(seq, len(pages)) if self.prefix_caching and self.tiers else []
-        S = self.blocks.block_size
-        computed = (len(pages) + len(below)) * S
-        n = min(seq.num_tokens - computed, budget)
+        on_gpu = len(pages)
+        # every block below the GPU gets a page at admission, whether it is copied, loaded or computed
+        covered = (on_gpu + len(below)) * S
+        worst = max(covered, min(seq.num_tokens, on_gpu * S + budget))
         # pages found in the cache but free right now leave the free list when taken
         reclaimed = sum(1 for p in pages if self.blocks.ref[p] == 0)
-        need = -(-(computed + n) // S) - len(pages)
-        if need > self.blocks.num_free - reclaimed:
-            return 0
+        if -(-worst // S) - on_gpu > self.blocks.num_free - reclaimed:
+            return None
         for page in pages:
             self.blocks.acquire(page)
-        on_gpu = len(pages)
         seq.block_table = pages
-        self.blocks.grow(seq.block_table, computed)  # fresh pages for the restored blocks
-        for j, (tier, name, tokens) in enumerate(below):
-            page = seq.block_table[on_gpu + j]
-            if not self.tiers.restore(tier, name, tokens, page):
-                computed = (on_gpu + j) * S  # missing or damaged after all: compute from here
-                break
-            self.blocks.register(page, name, tokens)
+        computed = on_gpu * S
+        if below:
+            plan = self.tiers.plan([t for t, _, _ in below], S)
+            self.blocks.grow(seq.block_table, covered)
+            got = 0
+            if plan.host_now:
+                got = self.tiers.restore_host([(n, t) for _, n, t in below[:plan.host_now]],
+                                              seq.block_table[on_gpu:on_gpu + plan.host_now])
+                for j in range(got):
+                    self.blocks.register(seq.block_table[on_gpu + j], below[j][1], below[j][2])
+            computed = (on_gpu + got) * S
+            if got == plan.host_now and plan.load:  # (a missing host block: compute from there on)
+                first = on_gpu + plan.host_now + plan.recompute
+                loaded = below[plan.host_now + plan.recompute:]
+                seq.pending_load = self.tiers.start_load(loaded, seq.block_table[first:first + len(loaded)],
+                                                         first * S, (first + len(loaded)) * S)
         seq.num_computed = computed
         seq.num_committed = computed // S
         if not seq.admitted:
-            seq.admitted, seq.num_cached = True, computed
+            seq.admitted = True
+            load = seq.pending_load
+            seq.num_cached = computed + (load.end - load.start if load is not None else 0)
             self.prefix_queries += seq.num_prompt_tokens
-            self.prefix_hits += computed
+            self.prefix_hits += seq.num_cached
         # a failed restore leaves more to compute than planned: the chunk stops where pages run out
         room = (len(seq.block_table) + self.blocks.num_free) * S - computed
-        n = min(seq.num_tokens - computed, budget, room)
-        if n <= 0:
+        n = min(self._computable(seq), budget, room)
+        if n <= 0 and seq.pending_load is None:
             self.blocks.release(seq.block_table)  # named pages stay cached: the next try finds them
+            seq.block_table = []
             seq.num_computed = seq.num_committed = 0
-            return 0
-        self.blocks.grow(seq.block_table, computed + n)
+            return None
+        n = max(n, 0)
+        self.blocks.grow(seq.block_table, seq.num_computed + n)
         return n
 
     def _restorable(self, seq: Sequence, start: int) -> list[tuple[str, bytes, tuple[int, ...]]]:
@@ -186,6 +239,7 @@ class Scheduler:
             del batch.seqs[i], batch.num_tokens[i]
         self.blocks.release(seq.block_table, seq.retain)  # its full pages stay cached: coming back, it finds them
         seq.num_computed = seq.num_committed = 0
+        seq.pending_load = None  # planned again when it comes back
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
@@ -193,6 +247,7 @@ class Scheduler:
         """Take ``seq`` out of the queues and free its pages."""
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        seq.pending_load = None
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -28,6 +28,8 @@ be a step old); a missing key only hides its family.
                                    because the planner judged that faster
 ``kv_spilled_blocks``       dict   tier ("host", "disk") -> cumulative pages written down
 ``kv_restore_seconds``      float  cumulative time spent copying pages back
+``kv_restore_plans``        dict   plan ("restore", "recompute", "split") -> cumulative
+                                   requests whose history below the GPU got that plan
 ==========================  =====  ===================================================
 
 Every app owns its registry: tests build many apps in one process, and a global
@@ -196,14 +198,17 @@ class _EngineCollector(Collector):
             for tier, nbytes in tiers.items():
                 family.add_metric([self.model_name, str(tier)], float(nbytes))
             yield family
-        for key, name, doc in (
-            ("kv_restored_blocks", "qml:kv_restored_blocks", "KV pages copied back to the GPU from a lower tier."),
-            ("kv_spilled_blocks", "qml:kv_spilled_blocks", "KV pages written down to a lower tier."),
+        for key, name, doc, label in (
+            ("kv_restored_blocks", "qml:kv_restored_blocks", "KV pages copied back to the GPU from a lower tier.",
+             "tier"),
+            ("kv_spilled_blocks", "qml:kv_spilled_blocks", "KV pages written down to a lower tier.", "tier"),
+            ("kv_restore_plans", "qml:kv_restore_plans", "Requests whose history below the GPU was restored, "
+             "recomputed, or split (head recomputed while the tail streamed in).", "plan"),
         ):
             if stats.get(key):
-                family = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
-                for tier, count in stats[key].items():
-                    family.add_metric([self.model_name, str(tier)], float(count))
+                family = CounterMetricFamily(name, doc, labels=["model_name", label])
+                for value, count in stats[key].items():
+                    family.add_metric([self.model_name, str(value)], float(count))
                 yield family
         yield from counter("qml:kv_recomputed_blocks", "KV pages found on disk but recomputed (judged faster).",
                            "kv_recomputed_blocks")

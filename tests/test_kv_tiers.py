@@ -137,8 +137,9 @@ def test_tier_activity_reaches_the_metrics(engine, tmp_path):
         eng.generate_sync(ids2, GREEDY)
         with TestClient(create_app(eng)) as client:
             text = client.get("/metrics").text
-        samples = {(s.name, s.labels.get("tier")): s.value
+        samples = {(s.name, s.labels.get("tier", s.labels.get("plan"))): s.value
                    for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples[("qml:kv_restore_plans_total", "restore")] == eng.tiers.stats.plans["restore"] >= 1
         assert samples[("qml:kv_restored_blocks_total", "host")] == eng.tiers.stats.restored_host > 0
         assert samples[("qml:kv_spilled_blocks_total", "host")] == eng.tiers.stats.spilled_host > 0
         assert samples[("qml:kv_tier_bytes", "host")] == eng.tiers.host.bytes_used > 0

@@ -44,3 +44,16 @@ class KVCache:
     def write_page(self, page: int, src: torch.Tensor) -> None:
         """The inverse of ``read_page``."""
         self.data[:, :, page].copy_(self._page_view(src))
+
+    def gather_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """Pages ``pages`` [n] (int64, on the cache's device) -> [n, block_bytes] uint8 on the device,
+        each row laid out as ``read_page`` writes it (two kernels, whatever n)."""
+        n = pages.numel()
+        rows = self.data.index_select(2, pages).movedim(2, 0).contiguous()  # [n, L, 2, S, Hkv, Dh]
+        return rows.view(n, -1).view(torch.uint8)
+
+    def scatter_pages(self, pages: torch.Tensor, rows: torch.Tensor) -> None:
+        """The inverse of ``gather_pages``: rows [n, block_bytes] uint8 on the device into ``pages``."""
+        L, two, _, S, Hkv, Dh = self.data.shape
+        src = rows.view(self.data.dtype).view(-1, L, two, S, Hkv, Dh).movedim(0, 2)  # [L, 2, n, S, Hkv, Dh]
+        self.data.index_copy_(2, pages, src)

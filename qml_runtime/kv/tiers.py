@@ -1,15 +1,27 @@
 """The KV tiers below the GPU pages: host RAM (warm) and local disk (cold, survives restarts).
 
-Down: a cached GPU page about to be overwritten is copied to host RAM; a host page
-pushed out of its budget goes to disk. A finished request's pages are also written
-through to disk in the background, so a conversation survives a restart. Writes to
-disk never block a request: a writer thread does them from copies. (Copies between
-GPU and host are synchronous for now: 2 MiB at 55 GB/s is ~40 us a page; overlapping
-them with compute, layer by layer, is the next step.)
+Down: a cached GPU page about to be reused is copied to host RAM; a host page pushed out
+of its budget goes to disk. A finished request's pages are also written through to disk
+in the background, so a conversation survives a restart.
 
 Up: when a request's prompt runs past the pages cached on the GPU, the next blocks are
-looked up by name in host RAM, then on disk, and copied into fresh GPU pages, as long
-as the planner says that is faster than computing them again (``RestorePlanner``).
+looked up by name in host RAM, then on disk, and copied into fresh GPU pages, as far as
+the plan (``RestorePlanner.plan``) says that beats computing them again.
+
+Copies are batched and ordered on CUDA streams, never one synchronous copy per page
+(2 MiB pages of Llama-3.1-8B: a 27k-token history is ~1,700 of them):
+
+- spills are recorded while the scheduler evicts pages, then ``flush_spills`` gathers the
+  pages on the GPU into one staging buffer (one kernel, on the compute stream, ahead of the
+  step that overwrites them) and a side stream copies it down to the host slots while the
+  GPU computes; a CPU reader of a host slot waits for those copies first (``_settle``);
+- writes to disk (spilled host pages, finished requests) are gathered the same way into
+  pinned buffers and written by a thread that waits on the copy's event;
+- restores copy host rows (consecutive slots as one copy) into a GPU staging buffer and
+  scatter it into the pages with one kernel, all on the compute stream: the prefill that
+  reads the pages is ordered after them with no host synchronisation;
+- disk reads run on a loader thread into pinned memory while the GPU works: with a split
+  plan the engine recomputes the head of the history while the tail streams in.
 """
 
 from __future__ import annotations
@@ -18,7 +30,9 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,15 +42,38 @@ from qml_runtime.kv.host_tier import HostTier
 
 log = logging.getLogger("qml.kv.tiers")
 
+MAX_BATCH_PAGES = 512  # pages per gathered copy: bounds the GPU staging buffer (1 GiB at 2 MiB pages)
+
+
+@dataclass
+class Plan:
+    """How a request gets the history blocks that are not on GPU pages: the first ``host_now`` are
+    copied from host RAM at admission, the next ``recompute`` are computed, and the ``load`` after
+    those stream in (from disk, or host RAM) while they are."""
+
+    host_now: int = 0
+    recompute: int = 0
+    load: int = 0
+    seconds: float = 0.0  # the planner's estimate for the history, against...
+    recompute_seconds: float = 0.0  # ...computing all of it
+
+    @property
+    def kind(self) -> str:
+        if self.load and self.recompute:
+            return "split"
+        return "restore" if self.load or self.host_now else "recompute"
+
 
 @dataclass
 class RestorePlanner:
-    """Restore a block from a tier only if copying it in beats recomputing its tokens.
+    """Chooses restore, recompute or a split from measured rates (exponential averages, starting
+    from conservative guesses): prefill tokens/s, host->GPU and disk read bytes/s.
 
-    Rates are measured as the engine runs (exponential averages), starting from
-    conservative guesses. Host RAM nearly always wins; disk wins when prefill is slow
-    (CPU, big models) and loses on a fast GPU (H200: 128 KiB/token of Llama-3.1-8B KV at
-    1.46 GB/s is ~90 us/token against ~32 us/token to recompute).
+    Host RAM nearly always wins. Disk loses to recompute per block on a fast GPU (H200:
+    128 KiB/token of Llama-3.1-8B KV at 1.46 GB/s is ~90 us/token against ~32 us/token to
+    recompute), but the two run at once: the GPU recomputes the head of the history while the
+    tail streams from disk, and the split that ends both together minimises the time to the
+    first token; it is never slower than recomputing everything, which is one of its options.
     """
 
     prefill_tokens_per_s: float = 1_000.0
@@ -54,6 +91,34 @@ class RestorePlanner:
         rate = self.host_bytes_per_s if tier == "host" else self.disk_bytes_per_s
         return block_bytes / rate < block_tokens / self.prefill_tokens_per_s
 
+    def plan(self, tiers: Sequence[str], block_bytes: int, block_tokens: int) -> Plan:
+        """``tiers``: where each block after the GPU-cached ones lives ("host" or "disk"), in order."""
+        per_token = 1 / self.prefill_tokens_per_s
+        host_block = block_bytes / self.host_bytes_per_s
+        disk_block = block_bytes / self.disk_bytes_per_s
+        n = len(tiers)
+        everything = n * block_tokens * per_token
+        h = 0  # the leading host blocks: copied now
+        while h < n and tiers[h] == "host" and host_block < block_tokens * per_token:
+            h += 1
+        rest = tiers[h:]
+        m = len(rest)
+        if m == 0:
+            return Plan(host_now=h, seconds=h * host_block, recompute_seconds=everything)
+        # k blocks recomputed while the other m - k are read (disk reads dominate; host ones are
+        # nearly free), then copied up: minimise max(compute(k), read(m - k)) + upload(m - k)
+        read = [disk_block if t == "disk" else 0.0 for t in rest]
+        suffix = [0.0] * (m + 1)
+        for i in range(m - 1, -1, -1):
+            suffix[i] = suffix[i + 1] + read[i]
+        best_k, best = m, m * block_tokens * per_token
+        for k in range(m + 1):
+            t = max(k * block_tokens * per_token, suffix[k]) + (m - k) * host_block
+            if t < best - 1e-12:
+                best_k, best = k, t
+        return Plan(host_now=h, recompute=best_k, load=m - best_k, seconds=h * host_block + best,
+                    recompute_seconds=everything)
+
 
 @dataclass
 class TierStats:
@@ -63,6 +128,24 @@ class TierStats:
     spilled_host: int = 0
     written_disk: int = 0
     restore_seconds: float = 0.0
+    plans: dict = field(default_factory=lambda: {"restore": 0, "recompute": 0, "split": 0})
+
+
+@dataclass
+class PendingLoad:
+    """Blocks streaming in for a sequence: tokens [start, end) of it, into ``pages``."""
+
+    start: int
+    end: int
+    pages: list[int]
+    names: list[bytes]
+    tokens: list[tuple[int, ...]]
+    tiers: list[str]
+    future: Future  # -> (pinned rows [n, block_bytes], blocks read before the first miss)
+    t0: float
+
+    def done(self) -> bool:
+        return self.future.done()
 
 
 class KVTiers:
@@ -72,55 +155,112 @@ class KVTiers:
         self.planner = planner or RestorePlanner()
         self.stats = TierStats()
         self.block_bytes = kv.block_bytes
+        self._cuda = kv.data.is_cuda
+        self._copy_stream = torch.cuda.Stream(kv.data.device) if self._cuda else None
+        self._pending: list[tuple[int, int]] = []  # (page, host slot) spilled, not yet copied down
+        self._host_events: list = []  # copies into host slots that may still be running
+        self._timing: list = []  # (start, end events, bytes) of uploads, observed once done
         self._writes: queue.Queue = queue.Queue()
-        self._writer = None
+        self._writer = self._loader = None
         if disk is not None:
             self._writer = threading.Thread(target=self._write_loop, name="qml-kv-writer", daemon=True)
             self._writer.start()
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="qml-kv-loader")
 
     # --- down -------------------------------------------------------------------------
 
     def spill(self, page: int, name: bytes, tokens: tuple[int, ...]) -> None:
-        """A cached GPU page is about to be reused: keep its content in host RAM (or on disk)."""
+        """A cached GPU page is about to be reused: keep its content in host RAM (or on disk).
+        The copy happens at the next ``flush_spills``, before the step that reuses the page."""
         if self.host is not None and self.host.capacity > 0:
             slot, evicted = self.host.reserve(name, tokens)
-            for old_name, old_tokens, old_slot in evicted:
-                # a copy: the slot is about to take the new page
-                self._queue_disk_write(old_name, old_tokens, self.host.slots[old_slot].clone(), None)
+            if evicted:
+                self._settle()  # the evicted slots' bytes must have landed before the CPU reads them
+                for old_name, old_tokens, old_slot in evicted:
+                    # a copy: the slot is about to take the new page
+                    self._queue_disk_write(old_name, old_tokens, self.host.slots[old_slot].clone(), None, None)
             if slot is not None:
-                self.kv.read_page(page, self.host.slots[slot])
+                self._pending.append((page, slot))
                 self.stats.spilled_host += 1
             return
-        if self.disk is not None:
-            staging = torch.empty(self.block_bytes, dtype=torch.uint8)
-            self.kv.read_page(page, staging)
-            self._queue_disk_write(name, tokens, staging, None)
+        if self.disk is not None and not self.disk.contains(name):
+            self._download([page], [(name, tokens, None)])
+
+    def flush_spills(self) -> None:
+        """Copy the pages spilled since the last call down to their host slots: gathered on the
+        compute stream (so the step after this one may overwrite the pages), copied on the side."""
+        while self._pending:
+            batch, self._pending = self._pending[:MAX_BATCH_PAGES], self._pending[MAX_BATCH_PAGES:]
+            staging = self._gather([p for p, _ in batch])
+            runs = _runs([s for _, s in batch])
+            with self._side():
+                for i, s, n in runs:
+                    self.host.slots[s:s + n].copy_(staging[i:i + n], non_blocking=self._cuda)
+            self._host_events.append(self._done(staging))
 
     def persist(self, pages: list[tuple[int, bytes, tuple[int, ...], bytes | None]]) -> None:
         """Write a finished request's named pages (page, name, tokens, parent name) through to disk,
         in the background."""
         if self.disk is None:
             return
-        for page, name, tokens, parent in pages:
-            if self.disk.contains(name):
-                continue
-            staging = torch.empty(self.block_bytes, dtype=torch.uint8)
-            self.kv.read_page(page, staging)
-            self._queue_disk_write(name, tokens, staging, parent)
+        todo = [(p, n, t, parent) for p, n, t, parent in pages if not self.disk.contains(n)]
+        for i in range(0, len(todo), MAX_BATCH_PAGES):
+            chunk = todo[i:i + MAX_BATCH_PAGES]
+            self._download([p for p, _, _, _ in chunk], [(n, t, parent) for _, n, t, parent in chunk])
+
+    def _download(self, pages: list[int], blocks: list[tuple[bytes, tuple[int, ...], bytes | None]]) -> None:
+        """Gather pages into a pinned host buffer on the side stream; the writer waits for it."""
+        staging = self._gather(pages)
+        host = torch.empty(staging.shape, dtype=torch.uint8, pin_memory=self._cuda)
+        with self._side():
+            host.copy_(staging, non_blocking=self._cuda)
+        done = self._done(staging)
+        for i, (name, tokens, parent) in enumerate(blocks):
+            self._queue_disk_write(name, tokens, host[i], parent, done)
+
+    def _gather(self, pages: list[int]) -> torch.Tensor:
+        self._observe_uploads()
+        return self.kv.gather_pages(torch.tensor(pages, dtype=torch.int64).to(self.kv.data.device,
+                                                                              non_blocking=True))
+
+    def _side(self):
+        """A context on the copy stream, after the work queued so far on the compute stream."""
+        if not self._cuda:
+            return _Nothing()
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.kv.data.device))
+        return torch.cuda.stream(self._copy_stream)
+
+    def _done(self, staging: torch.Tensor):
+        """An event after the side stream's copies (None on CPU, where they are done already)."""
+        if not self._cuda:
+            return None
+        staging.record_stream(self._copy_stream)  # the allocator keeps it until the copies ran
+        event = torch.cuda.Event()
+        event.record(self._copy_stream)
+        return event
+
+    def _settle(self) -> None:
+        """Host slots hold what was copied into them: pending spills issued, their copies finished."""
+        self.flush_spills()
+        for event in self._host_events:
+            event.synchronize()
+        self._host_events.clear()
 
     def _queue_disk_write(self, name: bytes, tokens: tuple[int, ...], data: torch.Tensor,
-                          parent: bytes | None) -> None:
-        """``data`` is a host tensor the writer owns from now on; ``parent`` the previous page's
-        name where the caller knows it (a page spilled on eviction does not carry it)."""
+                          parent: bytes | None, ready) -> None:
+        """``data`` is a host tensor the writer owns from now on (valid once ``ready`` has passed);
+        ``parent`` the previous page's name where the caller knows it."""
         if self.disk is not None and not self.disk.contains(name):
-            self._writes.put((name, tokens, data, parent))
+            self._writes.put((name, tokens, data, parent, ready))
 
     def _write_loop(self) -> None:
         while True:
             item = self._writes.get()
             if item is None:
                 return
-            name, tokens, data, parent = item
+            name, tokens, data, parent, ready = item
+            if ready is not None:
+                ready.synchronize()
             # queued twice before the first landed: one write is enough (and counts once)
             if not self.disk.contains(name) and self.disk.put(name, parent, list(tokens), data):
                 self.stats.written_disk += 1  # put never raises: a failed write is a later miss
@@ -128,6 +268,7 @@ class KVTiers:
 
     def flush(self) -> None:
         """Wait for queued disk writes (shutdown, tests)."""
+        self.flush_spills()
         if self._writer is not None:
             self._writes.join()
 
@@ -138,37 +279,144 @@ class KVTiers:
             self._writes.put(None)
             self._writer.join(timeout=30)
             self._writer = None
+            self._loader.shutdown(wait=True)
             self.disk.close()
 
     # --- up ---------------------------------------------------------------------------
 
     def locate(self, name: bytes, tokens: tuple[int, ...]) -> str | None:
-        """Which tier would restore this block: "host", "disk", or None (recompute it)."""
+        """Which tier holds this block: "host", "disk", or None."""
         if self.host is not None and self.host.find(name, tokens) is not None:
-            if self.planner.worth_restoring("host", self.block_bytes, len(tokens)):
-                return "host"
+            return "host"
         if self.disk is not None and self.disk.contains(name):
-            if self.planner.worth_restoring("disk", self.block_bytes, len(tokens)):
-                return "disk"
-            self.stats.skipped_disk += 1
+            return "disk"
         return None
 
-    def restore(self, tier: str, name: bytes, tokens: tuple[int, ...], page: int) -> bool:
-        """Copy a block into GPU page ``page``; False if it turned out to be missing or damaged."""
-        t0 = time.perf_counter()
-        if tier == "host":
+    def plan(self, tiers: Sequence[str], block_tokens: int) -> Plan:
+        plan = self.planner.plan(tiers, self.block_bytes, block_tokens)
+        self.stats.plans[plan.kind] += 1
+        self.stats.skipped_disk += sum(1 for t in tiers[plan.host_now:plan.host_now + plan.recompute] if t == "disk")
+        if tiers:
+            log.info("restore plan: %d blocks below the GPU -> %d from host now, %d recomputed, %d streamed in "
+                     "(%s; est. %.1f ms vs %.1f ms to recompute all; rates: prefill %.0f tok/s, host %.1f GB/s, "
+                     "disk %.2f GB/s)", len(tiers), plan.host_now, plan.recompute, plan.load, plan.kind,
+                     plan.seconds * 1e3, plan.recompute_seconds * 1e3, self.planner.prefill_tokens_per_s,
+                     self.planner.host_bytes_per_s / 1e9, self.planner.disk_bytes_per_s / 1e9)
+        return plan
+
+    def restore_host(self, blocks: list[tuple[bytes, tuple[int, ...]]], pages: list[int]) -> int:
+        """Copy host blocks (name, tokens) into ``pages``, in order; returns how many were found
+        (the first missing one and those after it are not copied)."""
+        slots = []
+        for name, tokens in blocks:
             slot = self.host.find(name, tokens)
             if slot is None:
-                return False
-            self.kv.write_page(page, self.host.slots[slot])
-            self.planner.observe("host", self.block_bytes, time.perf_counter() - t0)
-            self.stats.restored_host += 1
+                break
+            slots.append(slot)
+        if slots:
+            self._upload(pages[:len(slots)], [(self.host.slots, i, s, n) for i, s, n in _runs(slots)])
+            self.stats.restored_host += len(slots)
+        return len(slots)
+
+    def start_load(self, blocks: list[tuple[str, bytes, tuple[int, ...]]], pages: list[int], start: int,
+                   end: int) -> PendingLoad:
+        """Stream blocks (tier, name, tokens) in on the loader thread: disk blocks are read into a
+        pinned buffer there; host blocks are copied from their slots when the load is applied."""
+        tiers = [t for t, _, _ in blocks]
+        names = [n for _, n, _ in blocks]
+        tokens = [t for _, _, t in blocks]
+        if self.disk is None or "disk" not in tiers:
+            future: Future = Future()
+            future.set_result((None, len(blocks)))
         else:
-            staging = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.kv.data.is_cuda)
-            if not self.disk.get_into(name, list(tokens), staging):
-                return False
-            self.kv.write_page(page, staging)
-            self.planner.observe("disk", self.block_bytes, time.perf_counter() - t0)
-            self.stats.restored_disk += 1
-        self.stats.restore_seconds += time.perf_counter() - t0
-        return True
+            future = self._loader.submit(self._read_disk, tiers, names, tokens)
+        return PendingLoad(start, end, pages, names, tokens, tiers, future, time.perf_counter())
+
+    def _read_disk(self, tiers, names, tokens) -> tuple[torch.Tensor, int]:
+        rows = torch.empty((len(names), self.block_bytes), dtype=torch.uint8, pin_memory=self._cuda)
+        t0, read = time.perf_counter(), 0
+        for i, (tier, name, toks) in enumerate(zip(tiers, names, tokens)):
+            if tier == "disk":
+                if not self.disk.get_into(name, list(toks), rows[i]):
+                    return rows, i
+                read += 1
+        if read:
+            self.planner.observe("disk", read * self.block_bytes, time.perf_counter() - t0)
+        return rows, len(names)
+
+    def apply_load(self, load: PendingLoad) -> int:
+        """Copy a finished load's blocks into its pages; returns how many leading blocks landed."""
+        rows, ok = load.future.result()
+        sources = []
+        for i in range(ok):
+            if load.tiers[i] == "host":
+                slot = self.host.find(load.names[i], load.tokens[i]) if self.host is not None else None
+                if slot is None:
+                    ok = i
+                    break
+                sources.append((self.host.slots, i, slot, 1))
+            else:
+                sources.append((rows, i, i, 1))
+        if ok:
+            self._upload(load.pages[:ok], sources)
+            self.stats.restored_disk += sum(1 for t in load.tiers[:ok] if t == "disk")
+            self.stats.restored_host += sum(1 for t in load.tiers[:ok] if t == "host")
+        self.stats.restore_seconds += time.perf_counter() - load.t0
+        return ok
+
+    def _upload(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]]) -> None:
+        """Copy host rows into GPU pages on the compute stream: ``sources`` are (host tensor of rows,
+        destination row, source row, row count); destination row i goes to ``pages[i]``."""
+        self.flush_spills()  # a page spilled earlier must be copied out before it is overwritten
+        dev = self.kv.data.device
+        if self._cuda:
+            for event in self._host_events:  # host slots being filled must be complete before reading them
+                torch.cuda.current_stream(dev).wait_event(event)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for i in range(0, len(pages), MAX_BATCH_PAGES):
+            n_pages = min(MAX_BATCH_PAGES, len(pages) - i)
+            staging = torch.empty((n_pages, self.block_bytes), dtype=torch.uint8, device=dev)
+            for src, d, s, n in sources:  # the part of each run that falls in this chunk
+                lo, hi = max(d, i), min(d + n, i + n_pages)
+                if lo < hi:
+                    staging[lo - i:hi - i].copy_(src[s + lo - d:s + hi - d], non_blocking=self._cuda)
+            index = torch.tensor(pages[i:i + n_pages], dtype=torch.int64).to(dev, non_blocking=True)
+            self.kv.scatter_pages(index, staging)
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._timing.append((start, end, len(pages) * self.block_bytes))
+        else:
+            self.planner.observe("host", len(pages) * self.block_bytes, time.perf_counter() - t0)
+
+    def _observe_uploads(self) -> None:
+        """Fold finished uploads' GPU times into the host rate, without waiting for any."""
+        still = []
+        for start, end, nbytes in self._timing:
+            if end.query():
+                self.planner.observe("host", nbytes, start.elapsed_time(end) / 1e3)
+            else:
+                still.append((start, end, nbytes))
+        self._timing = still
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(position, first slot, length) of the runs of consecutive slots: one copy per run."""
+    runs = []
+    for i, s in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, s, 1))
+    return runs
+

@@ -1,0 +1,168 @@
+"""The restore plan: copy from host RAM, recompute, or recompute the head of a history while its
+tail streams in from disk; and the engine running such plans to the same tokens."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qml_runtime.config import CacheConfig, SchedulerConfig
+from qml_runtime.engine import Engine
+from qml_runtime.kv.tiers import RestorePlanner
+from qml_runtime.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0)
+BLOCK, TOKENS = 2 * 2**20, 16  # a Llama-3.1-8B page
+
+
+def h200() -> RestorePlanner:
+    return RestorePlanner(prefill_tokens_per_s=31_000, host_bytes_per_s=55e9, disk_bytes_per_s=1.46e9)
+
+
+def test_host_blocks_are_copied_now():
+    plan = h200().plan(["host"] * 100, BLOCK, TOKENS)
+    assert (plan.host_now, plan.recompute, plan.load, plan.kind) == (100, 0, 0, "restore")
+
+
+def test_a_long_history_on_disk_is_split_and_beats_recomputing_it():
+    planner = h200()
+    plan = planner.plan(["disk"] * 1700, BLOCK, TOKENS)  # ~27k tokens after a restart
+    assert plan.kind == "split" and plan.recompute + plan.load == 1700
+    # the GPU recomputes ~70% (31k tok/s) while the disk reads the rest (11k tok/s)
+    assert 0.6 < plan.recompute / 1700 < 0.8
+    assert plan.seconds < 0.8 * plan.recompute_seconds
+    # the two halves end together, within a block
+    compute = plan.recompute * TOKENS / planner.prefill_tokens_per_s
+    read = plan.load * BLOCK / planner.disk_bytes_per_s
+    assert abs(compute - read) <= TOKENS / planner.prefill_tokens_per_s + BLOCK / planner.disk_bytes_per_s
+
+
+def test_a_fast_disk_or_slow_prefill_loads_everything():
+    planner = RestorePlanner(prefill_tokens_per_s=20, host_bytes_per_s=10e9, disk_bytes_per_s=3e9)
+    plan = planner.plan(["disk"] * 50, BLOCK, TOKENS)
+    assert (plan.recompute, plan.load, plan.kind) == (0, 50, "restore")
+
+
+@given(st.lists(st.sampled_from(["host", "disk"]), max_size=60), st.floats(100, 1e6), st.floats(1e8, 1e11),
+       st.floats(1e7, 1e10))
+@settings(max_examples=200, deadline=None)
+def test_the_plan_is_never_slower_than_recomputing(tiers, prefill, host, disk):
+    planner = RestorePlanner(prefill_tokens_per_s=prefill, host_bytes_per_s=host, disk_bytes_per_s=disk)
+    plan = planner.plan(tiers, BLOCK, TOKENS)
+    assert plan.host_now + plan.recompute + plan.load == len(tiers)
+    assert all(t == "host" for t in tiers[:plan.host_now])
+    assert plan.seconds <= plan.recompute_seconds + 1e-9
+
+
+# --- in the engine --------------------------------------------------------------------------
+
+def sibling(engine, disk_dir, planner: RestorePlanner | None = None, **cache) -> Engine:
+    cfg = CacheConfig(block_size=16, num_blocks=64, disk_dir=str(disk_dir), disk_bytes=2**30, **cache)
+    eng = Engine(engine.model, engine.tokenizer, engine.model_config, model_id="plan", device=engine.device,
+                 dtype=engine.dtype, cache=cfg, scheduler=SchedulerConfig(), fingerprint=engine.scheduler.fingerprint)
+    if planner is not None:
+        eng.tiers.planner = planner
+    eng.start()
+    return eng
+
+
+def history(engine) -> tuple[list[int], int]:
+    """Run a first turn; returns the second turn's prompt and how many of its full blocks the first
+    turn's KV covers."""
+    tok = engine.tokenizer
+    first = [{"role": "user", "content": "Write two sentences about the moon and the tides."}]
+    ids1 = tok.apply_chat_template(first)
+    answer = engine.generate_sync(ids1, GREEDY)
+    second = first + [{"role": "assistant", "content": answer.text}, {"role": "user", "content": "And the sun?"}]
+    ids2 = tok.apply_chat_template(second)
+    shared = next(i for i, (a, b) in enumerate(zip(ids1 + answer.token_ids + [-1], ids2)) if a != b)
+    return ids2, shared // 16
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    ids, blocks = history(engine)
+    engine.scheduler.prefix_caching = False
+    try:
+        return ids, blocks, engine.generate_sync(ids, GREEDY).token_ids
+    finally:
+        engine.scheduler.prefix_caching = True
+
+
+@pytest.mark.parametrize("rates, kind", [
+    ((1e9, 1e6), "recompute"),  # a disk far slower than computing: nothing is read
+    ((1.0, 1e12), "restore"),  # computing far slower than the disk: everything is read
+    (None, "split"),  # even: the head is computed while the tail streams in
+])
+def test_after_a_restart_each_plan_gives_the_same_tokens(engine, expected, tmp_path, rates, kind):
+    ids, blocks, tokens = expected
+    first = sibling(engine, tmp_path)
+    try:
+        history(first)
+    finally:
+        first.shutdown()
+    assert blocks >= 3
+    if rates is None:  # per block: reading takes as long as computing
+        planner = RestorePlanner(prefill_tokens_per_s=16.0, disk_bytes_per_s=float(first.kv.block_bytes))
+    else:
+        planner = RestorePlanner(prefill_tokens_per_s=rates[0], disk_bytes_per_s=rates[1])
+    planner.alpha = 0.0  # keep the rates fixed while the engine measures
+    restarted = sibling(engine, tmp_path, planner)
+    try:
+        out = restarted.generate_sync(ids, GREEDY)
+        stats = restarted.tiers.stats
+        assert stats.plans[kind] == 1 and sum(stats.plans.values()) == 1
+        assert restarted.stats()["kv_restore_plans"][kind] == 1  # what /metrics exports
+        assert out.token_ids == tokens
+        if kind == "recompute":
+            assert stats.restored_disk == 0 and out.cached_tokens == 0
+        elif kind == "restore":
+            assert stats.restored_disk == blocks and out.cached_tokens == blocks * 16
+        else:
+            assert 0 < stats.restored_disk < blocks and out.cached_tokens == stats.restored_disk * 16
+    finally:
+        restarted.shutdown()
+
+
+def test_a_slow_disk_read_makes_the_engine_wait_not_fail(engine, expected, tmp_path, monkeypatch):
+    ids, blocks, tokens = expected
+    first = sibling(engine, tmp_path)
+    try:
+        history(first)
+    finally:
+        first.shutdown()
+    planner = RestorePlanner(prefill_tokens_per_s=1.0, disk_bytes_per_s=1e12)
+    planner.alpha = 0.0
+    restarted = sibling(engine, tmp_path, planner)
+    get_into = restarted.tiers.disk.get_into
+    monkeypatch.setattr(restarted.tiers.disk, "get_into", lambda *a: time.sleep(0.02) or get_into(*a))
+    try:
+        out = restarted.generate_sync(ids, GREEDY)
+        assert out.token_ids == tokens and out.cached_tokens > 0
+    finally:
+        restarted.shutdown()
+
+
+def test_a_block_missing_when_the_load_runs_is_computed_instead(engine, expected, tmp_path):
+    ids, blocks, tokens = expected
+    first = sibling(engine, tmp_path)
+    try:
+        history(first)
+    finally:
+        first.shutdown()
+    planner = RestorePlanner(prefill_tokens_per_s=1.0, disk_bytes_per_s=1e12)
+    planner.alpha = 0.0
+    restarted = sibling(engine, tmp_path, planner)
+    # the index says the blocks are there; the files of the later half are gone
+    files = sorted(tmp_path.rglob("*.kvb"), key=lambda f: f.stat().st_mtime)
+    for f in files[len(files) // 2:]:
+        f.unlink()
+    try:
+        out = restarted.generate_sync(ids, GREEDY)
+        assert out.token_ids == tokens
+        assert 0 < out.cached_tokens < blocks * 16
+    finally:
+        restarted.shutdown()
