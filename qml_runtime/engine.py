@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent import futures
 import queue
 import random
 import sys
 import threading
 import time
 import uuid
+from concurrent import futures
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
