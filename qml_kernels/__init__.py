@@ -23,6 +23,8 @@ OP_MODULES = (
     "qml_kernels.attention_decode",
     "qml_kernels.attention_prefill",
     "qml_kernels.linear",
+    "qml_kernels.moe_routing",
+    "qml_kernels.moe_gemm",
 )
 
 

@@ -27,6 +27,15 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     # GGUF Llama weights are permuted for interleaved-pair RoPE; HF weights use rotate-half
     rope_interleaved: bool = False
+    # mixture of experts (0 experts: a dense model). Layers in moe_layers replace the dense FFN
+    # (intermediate_size) with num_experts SwiGLU experts of moe_intermediate_size, of which each
+    # token uses num_experts_per_tok, weighted by router probabilities (renormalised over the
+    # chosen ones if norm_topk_prob).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -42,6 +51,19 @@ class ModelConfig:
             raise ValueError(f"rotary_dim must be even and in (0, head_dim], got {self.rotary_dim}")
         if self.rms_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_eps and rope_theta must be positive")
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if self.num_experts == 0:
+            if self.moe_layers:
+                raise ValueError("moe_layers is set but num_experts is 0")
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        layers = self.moe_layers
+        if any(not 0 <= i < self.num_layers for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"moe_layers must be distinct layer indices below {self.num_layers}, got {layers}")
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,47 @@ PRESETS: dict[str, Preset] = {
         "LlamaForCausalLM",
         "a 3-layer Llama for tests",
     ),
-    # Qwen3 presets (qwen3-30b-a3b, ...) go here once the Qwen3 model is registered in
-    # qml_runtime.models: a Preset names its HF architecture, and the rest is generic.
+    "qwen3-30b-a3b": Preset(
+        ModelConfig(
+            architecture="qwen3_moe",
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,  # the dense FFN width, unused: every layer has experts
+            num_layers=48,
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            rms_eps=1e-6,
+            rope_theta=1000000.0,
+            context_length=40960,
+            tie_word_embeddings=False,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=True,
+            moe_layers=tuple(range(48)),
+        ),
+        "Qwen3MoeForCausalLM",
+        "Qwen Qwen3-30B-A3B (30.5B parameters, 3.3B active: 8 of 128 experts; GQA 32/4, 40K context)",
+    ),
+    "qwen3-32b": Preset(
+        ModelConfig(
+            architecture="qwen3",
+            vocab_size=151936,
+            hidden_size=5120,
+            intermediate_size=25600,
+            num_layers=64,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=128,
+            rms_eps=1e-6,
+            rope_theta=1000000.0,
+            context_length=40960,
+            tie_word_embeddings=False,
+        ),
+        "Qwen3ForCausalLM",
+        "Qwen Qwen3-32B (32.8B parameters, GQA 64/8, 40K context)",
+    ),
 }
 
 

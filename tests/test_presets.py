@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qml_kernels.attention import AttentionMetadata
-from qml_runtime import presets
+from qml_runtime import models, presets
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.loader import load_engine
 from qml_runtime.models.llama import LlamaModel
@@ -61,6 +61,49 @@ def test_activations_stay_finite_through_32_layers_in_bf16():
     model = random_model(presets.Preset(cfg, "LlamaForCausalLM", "narrow 8B"), CPU, torch.bfloat16)
     ids = list(range(0, 500, 7))
     _, logits = prefill(model, ids, torch.bfloat16)
+    assert torch.isfinite(logits).all()
+    assert 0.1 < logits.float().std() < 10
+
+
+# Qwen3-30B-A3B and Qwen3-32B as transformers configures them; the presets must read the same
+_QWEN3_HF = {
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+        "rope_theta": 1e6, "rms_norm_eps": 1e-6, "num_experts": 128, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768, "norm_topk_prob": True, "tie_word_embeddings": False}),
+    "qwen3-32b": ("Qwen3Config", {
+        "vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+        "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}),
+}
+
+
+@pytest.mark.parametrize("name, parameters", [("qwen3-30b-a3b", 30_532_122_624), ("qwen3-32b", 32_762_123_264)])
+def test_qwen3_presets_have_the_published_shape(name, parameters):
+    """The shapes Qwen publishes (30.5B and 32.8B parameters), read the same way from the config
+    transformers writes, and counted the same by transformers' model on the meta device."""
+    transformers = pytest.importorskip("transformers")
+    preset = PRESETS[name]
+    net = models.for_hf(preset.hf_architecture).model_cls(preset.config, torch.device("meta"), torch.bfloat16)
+    assert sum(p.numel() for p in net.parameters()) == parameters
+    cls, kwargs = _QWEN3_HF[name]
+    hf_config = getattr(transformers, cls)(**kwargs)
+    hf_config.architectures = [preset.hf_architecture]
+    assert models.for_hf(preset.hf_architecture).config_from_hf(hf_config.to_dict()) == preset.config
+    with torch.device("meta"):
+        hf_model = getattr(transformers, preset.hf_architecture)(hf_config)
+    assert sum(p.numel() for p in hf_model.parameters()) == parameters
+
+
+def test_qwen3_moe_preset_runs_at_reduced_width():
+    """Qwen3-30B-A3B's 128 experts, top-8, head dim 128 and GQA ratio 8, at a width and depth a
+    CPU test can afford, in bf16: finite logits of a sane spread."""
+    cfg = dataclasses.replace(PRESETS["qwen3-30b-a3b"].config, hidden_size=128, num_layers=4, num_heads=8,
+                              num_kv_heads=1, moe_intermediate_size=32, moe_layers=(0, 1, 2, 3), vocab_size=512)
+    model = random_model(presets.Preset(cfg, "Qwen3MoeForCausalLM", "narrow 30B-A3B"), CPU, torch.bfloat16)
+    assert model.layers[0].experts_gate_up.shape == (128, 64, 128)
+    _, logits = prefill(model, list(range(0, 500, 7)), torch.bfloat16)
     assert torch.isfinite(logits).all()
     assert 0.1 < logits.float().std() < 10
 

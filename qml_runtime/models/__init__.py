@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from qml_runtime.config import ModelConfig
-from qml_runtime.models import llama
+from qml_runtime.models import llama, qwen3
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,13 @@ class Architecture:
 LLAMA = Architecture(llama.LlamaModel, llama.config_from_gguf, llama.config_from_hf,
                      llama.GGUF_WEIGHTS, llama.HF_WEIGHTS)
 
-GGUF_ARCHITECTURES: dict[str, Architecture] = {"llama": LLAMA}
-HF_ARCHITECTURES: dict[str, Architecture] = {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": LLAMA}
+# one model class for Qwen3 and Qwen3-MoE: the config says which layers have experts
+QWEN3 = Architecture(qwen3.Qwen3Model, qwen3.config_from_gguf, qwen3.config_from_hf,
+                     qwen3.GGUF_WEIGHTS, qwen3.HF_WEIGHTS)
+
+GGUF_ARCHITECTURES: dict[str, Architecture] = {"llama": LLAMA, "qwen3": QWEN3, "qwen3moe": QWEN3}
+HF_ARCHITECTURES: dict[str, Architecture] = {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": LLAMA,
+                                             "Qwen3ForCausalLM": QWEN3, "Qwen3MoeForCausalLM": QWEN3}
 
 
 class UnsupportedArchitecture(ValueError):

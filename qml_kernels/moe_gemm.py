@@ -1,0 +1,305 @@
+"""Grouped GEMM over experts, and the whole mixture-of-experts FFN built from it.
+
+``moe_gemm`` multiplies each (token, slot) pair's activation row by its expert's weight:
+``out[p] = a[p // pairs_per_row] @ w[e(p)].T``, weights stored ``[E, N, K]`` (each expert's
+matrix as a linear layer stores it). The pairs come grouped by expert from ``moe_align``
+(``qml_kernels.moe_routing``): ``sorted_pairs`` lists each expert's pairs in a segment padded
+with -1 to a multiple of ``block_size`` rows, and ``expert_offsets`` ``[E+1]`` says where each
+segment starts. Output rows are in pair order ``[T·k, N]``, so every row is written exactly once
+whatever the padding, and the combine reads them back by ``t·k + j``.
+
+- First GEMM of an expert FFN: ``a = x [T, D]`` with ``pairs_per_row = k`` (pair ``p`` reads token
+  ``p // k``: the gather is in the load, no permuted copy of x), ``w = w_gate_up [E, 2I, D]``
+  (gate rows, then up rows), ``swiglu=True``: the program accumulates the gate and the up
+  columns of its tile side by side and writes ``silu(gate) · up`` ``[T·k, I]``, so the ``[T·k, 2I]``
+  intermediate never reaches memory.
+- Second GEMM: ``a = h [T·k, I]`` with ``pairs_per_row = 1``, ``w = w_down [E, D, I]``.
+
+Triton: one program per (row tile of ``BLOCK_M`` padded rows, column tile). A tile never spans
+two experts (segments are multiples of ``BLOCK_M``); the program finds its expert by counting the
+segment ends at or before its first row. Programs whose tile lies past the last segment return
+before any load, and an expert without pairs owns no tile at all: a decode step reads only the
+weights of the experts its tokens chose. Work: ``2·(T·k)·N·K`` useful FLOPs (plus padding rows);
+traffic: the used experts' weights, ``T·k·K`` activations read, ``T·k·N_out`` written. At decode
+this is a stream of ``A`` experts' weights (bandwidth-bound), at long prefills compute-bound.
+
+``moe_forward``: router probabilities -> top-k -> grouped GEMMs -> weighted combine, each step
+dispatched on its own; ``moe_forward_ref`` is the same function as a loop over experts.
+
+Sources: the layout of vLLM's fused MoE kernel (pairs sorted by expert and padded to the tile
+height, the token gather folded into the A loads, outputs in pair order); the Triton matmul
+tutorial's tiled ``tl.dot`` loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from qml_kernels.moe_routing import draw_expert_ids, moe_align, moe_align_ref, moe_combine, moe_router, moe_router_ref
+from qml_kernels.registry import dispatch, register
+from qml_kernels.workbench.spec import Case, OpSpec, register_spec
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class MoEGemmConfig:
+    """Launch tunables. ``block_m`` is capped by the alignment's ``block_size`` (which it must divide)."""
+
+    block_m: int = 64  # padded pair rows per tile (tl.dot needs >= 16)
+    block_n: int = 64  # output columns per tile (gate and up each, with swiglu)
+    block_k: int = 32  # reduction step
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"MoEGemmConfig.{name} must be a power of 2 >= 16, got {value}")
+
+
+def moe_block_size(num_pairs: int, num_experts: int) -> int:
+    """Rows each expert's segment is padded to: 16 when experts get few pairs on average (decode,
+    short prefills), where 64-row tiles would be mostly padding; 64 otherwise, for larger tiles."""
+    return 16 if num_pairs <= 16 * num_experts else 64
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, offsets_ptr,
+    N_OUT, K, E, stride_a, stride_we, stride_wn, stride_out,
+    PAIRS_PER_ROW: tl.constexpr, SWIGLU: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    first_row = tl.program_id(0) * BLOCK_M
+    used_rows = tl.load(offsets_ptr + E)
+    if first_row >= used_rows:
+        return  # past the last expert's segment: nothing to read or write
+    experts = tl.arange(0, BLOCK_E)
+    seg_ends = tl.load(offsets_ptr + 1 + experts, mask=experts < E, other=2147483647)  # [BLOCK_E]
+    expert = tl.sum((seg_ends <= first_row).to(tl.int32), axis=0)  # segments ending at or before this tile
+
+    # segments are multiples of BLOCK_M, so every row of the tile is inside sorted_pairs
+    pairs = tl.load(sorted_pairs_ptr + first_row + tl.arange(0, BLOCK_M))  # [BLOCK_M], -1: padding
+    real = pairs >= 0
+    a_rows = tl.where(real, pairs // PAIRS_PER_ROW, 0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    col_ok = cols < N_OUT
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    # w[expert] is [N, K]: read a [BLOCK_K, BLOCK_N] tile of its transpose
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SWIGLU:
+            # the up rows of w[expert] start N_OUT rows after the gate rows
+            w_up = tl.load(w_ptrs + N_OUT * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SWIGLU:
+        # silu(g) = g / (1 + exp(-g)); exp overflows to inf for g < -88 and the result is 0
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    out_ptrs = out_ptr + tl.where(real, pairs, 0).to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
+
+
+def _check_grouping(sorted_pairs: torch.Tensor, expert_offsets: torch.Tensor, E: int, device) -> None:
+    for name, t in (("sorted_pairs", sorted_pairs), ("expert_offsets", expert_offsets)):
+        assert t.dim() == 1 and t.dtype == torch.int32 and t.is_contiguous() and t.device == device, \
+            f"{name} must be a contiguous int32 vector on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+    assert expert_offsets.shape[0] == E + 1, f"expert_offsets must be [{E + 1}], got {tuple(expert_offsets.shape)}"
+
+
+def moe_gemm_triton(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor, expert_offsets: torch.Tensor,
+                    block_size: int, pairs_per_row: int, swiglu: bool = False, *, out: torch.Tensor | None = None,
+                    config: MoEGemmConfig = MoEGemmConfig()) -> torch.Tensor:
+    """a: [P / pairs_per_row, K], w: [E, N, K], grouping from ``moe_align(..., block_size)`` ->
+    [P, N] (or [P, N/2] with ``swiglu``: silu(gate) · up) in a.dtype, fp32 accumulation."""
+    assert a.dim() == 2 and a.dtype in _FLOAT_DTYPES and a.stride(-1) == 1, \
+        f"a must be [rows, K] fp32/fp16/bf16 with a contiguous last dimension, got {a.dtype} {tuple(a.shape)}"
+    assert w.dim() == 3 and w.shape[2] == a.shape[1] and w.stride(-1) == 1, \
+        f"w must be [E, N, {a.shape[1]}] with a contiguous last dimension, got {tuple(w.shape)}"
+    assert w.dtype == a.dtype and w.device == a.device, f"w: {w.dtype} on {w.device}, a: {a.dtype} on {a.device}"
+    E, N, K = w.shape
+    _check_grouping(sorted_pairs, expert_offsets, E, a.device)
+    assert pairs_per_row >= 1, f"pairs_per_row must be >= 1, got {pairs_per_row}"
+    block_m = min(config.block_m, block_size)
+    assert block_m >= 16 and block_size % block_m == 0, \
+        f"block_size ({block_size}) must be a multiple of a tile height >= 16 (config.block_m={config.block_m})"
+    R = sorted_pairs.shape[0]
+    assert R % block_size == 0, f"sorted_pairs has {R} rows, not a multiple of block_size {block_size}"
+    assert not swiglu or N % 2 == 0, f"swiglu needs w's N even (gate rows, then up rows), got {N}"
+    P, n_out = a.shape[0] * pairs_per_row, N // 2 if swiglu else N
+    if out is None:
+        out = torch.empty((P, n_out), dtype=a.dtype, device=a.device)
+    assert out.shape == (P, n_out), f"out: shape {tuple(out.shape)}, expected {(P, n_out)}"
+    assert out.dtype == a.dtype and out.device == a.device and out.stride(-1) == 1, \
+        f"out: {out.dtype} on {out.device} with strides {out.stride()}, expected a's dtype, contiguous rows"
+    if P == 0 or n_out == 0 or R == 0:
+        return out
+    block_n = min(config.block_n, max(16, triton.next_power_of_2(n_out)))
+    block_k = min(config.block_k, max(16, triton.next_power_of_2(K)))
+    _moe_gemm_kernel[(R // block_m, triton.cdiv(n_out, block_n))](
+        a, w, out, sorted_pairs, expert_offsets,
+        n_out, K, E, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        PAIRS_PER_ROW=pairs_per_row, SWIGLU=bool(swiglu),
+        # fp32 in full precision, as torch's default fp32 matmul (TF32 off)
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def moe_gemm_ref(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor, expert_offsets: torch.Tensor,
+                 block_size: int, pairs_per_row: int, swiglu: bool = False) -> torch.Tensor:
+    """A loop of per-expert matmuls in fp32: [P, N] (or [P, N/2] with swiglu) in a.dtype."""
+    E, N, _ = w.shape
+    P = a.shape[0] * pairs_per_row
+    out = torch.zeros(P, N // 2 if swiglu else N, dtype=torch.float32, device=a.device)
+    offsets = expert_offsets.tolist()
+    for e in range(E):
+        pairs = sorted_pairs[offsets[e]:offsets[e + 1]].long()
+        pairs = pairs[pairs >= 0]  # drop the padding
+        y = a[pairs // pairs_per_row].float() @ w[e].float().T  # [pairs, N]
+        if swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        out[pairs] = y
+    return out.to(a.dtype)
+
+
+def _supported(a, w, sorted_pairs, expert_offsets, block_size, pairs_per_row, swiglu=False, *args, **kwargs) -> bool:
+    return (a.dim() == 2 and a.dtype in _FLOAT_DTYPES and a.stride(-1) == 1 and w.dim() == 3
+            and w.dtype == a.dtype and w.stride(-1) == 1 and block_size % 16 == 0)
+
+
+register("moe_gemm", "reference", moe_gemm_ref)
+register("moe_gemm", "triton", moe_gemm_triton, devices=("cuda",), supports=_supported)
+
+_moe_gemm = dispatch("moe_gemm")
+
+
+def moe_gemm(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor, expert_offsets: torch.Tensor,
+             block_size: int, pairs_per_row: int, swiglu: bool = False) -> torch.Tensor:
+    """Grouped GEMM over experts. a: [P / pairs_per_row, K], w: [E, N, K], sorted_pairs [R] and
+    expert_offsets [E+1] from ``moe_align(ids, E, block_size)`` -> [P, N] in pair order
+    ([P, N/2] with ``swiglu``: silu(gate) · up of the two halves of w's rows)."""
+    return _moe_gemm(a, w, sorted_pairs, expert_offsets, block_size, pairs_per_row, swiglu)
+
+
+# -- the MoE feed-forward ----------------------------------------------------------------------
+
+def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                top_k: int, renormalize: bool) -> torch.Tensor:
+    """Sparse SwiGLU experts. x: [T, D], router_logits: [T, E], w_gate_up: [E, 2I, D] (gate rows
+    then up rows), w_down: [E, D, I] -> sum over the top-k experts of weight · expert(x): [T, D].
+
+    Each step dispatches on its own (Triton on CUDA, references on CPU); nothing waits on the
+    device, so a decode step can be captured in a CUDA graph.
+    """
+    T, E = router_logits.shape
+    weights, ids = moe_router(router_logits, top_k, renormalize)  # [T, k] each
+    block = moe_block_size(T * top_k, E)
+    sorted_pairs, offsets, _ = moe_align(ids, E, block)
+    h = moe_gemm(x, w_gate_up, sorted_pairs, offsets, block, top_k, swiglu=True)  # [T·k, I]
+    y = moe_gemm(h, w_down, sorted_pairs, offsets, block, 1)  # [T·k, D]
+    return moe_combine(y, weights)
+
+
+def moe_forward_ref(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                    top_k: int, renormalize: bool) -> torch.Tensor:
+    """``moe_forward`` as a loop over experts, each expert on the tokens that chose it, in fp32."""
+    weights, ids = moe_router_ref(router_logits, top_k, renormalize)  # [T, k]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
+    for e in range(w_gate_up.shape[0]):
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        gate, up = (x[tokens].float() @ w_gate_up[e].float().T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w_down[e].float().T  # [tokens, D]
+        out.index_add_(0, tokens, y * weights[tokens, slots, None])
+    return out.to(x.dtype)
+
+
+# -- workbench ------------------------------------------------------------------------------
+
+def _make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> dict:
+    d = case.dims
+    T, E, k, K, N, block = d["T"], d["E"], d["k"], d["K"], d["N"], d["block"]
+    swiglu, per_pair = d.get("swiglu", False), d.get("per_pair", False)
+    ids = draw_expert_ids(T, E, k, gen, d.get("spread", "uniform"))
+    sorted_pairs, offsets, _ = moe_align_ref(ids, E, block)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, device=gen.device)).to(device=device, dtype=dtype)
+
+    return {
+        "a": randn(T * k if per_pair else T, K),
+        "w": randn(E, N, K, scale=K**-0.5),  # outputs of order 1, whatever K
+        "sorted_pairs": sorted_pairs.to(device), "expert_offsets": offsets.to(device),
+        "block_size": block, "pairs_per_row": 1 if per_pair else k, "swiglu": swiglu,
+    }
+
+
+def _bytes(inputs: dict) -> int:
+    a, w, offsets = inputs["a"], inputs["w"], inputs["expert_offsets"]
+    used = int((offsets[1:] > offsets[:-1]).sum())  # only the chosen experts' weights are read
+    P = a.shape[0] * inputs["pairs_per_row"]
+    n_out = w.shape[1] // 2 if inputs["swiglu"] else w.shape[1]
+    return (used * w[0].numel() + P * a.shape[1] + P * n_out) * a.element_size()
+
+
+def _flops(inputs: dict) -> int:
+    a, w = inputs["a"], inputs["w"]
+    return 2 * a.shape[0] * inputs["pairs_per_row"] * w.shape[1] * w.shape[2]
+
+
+SMALL_CASES = (
+    Case("one-token", {"T": 1, "E": 16, "k": 4, "K": 64, "N": 96, "block": 16, "swiglu": True},
+         edge="1 token (decode): 4 tiles of one real row each, 12 experts never read"),
+    Case("hot-expert", {"T": 37, "E": 6, "k": 1, "K": 48, "N": 40, "block": 16, "spread": "hot"},
+         edge="all tokens to one expert: 3 tiles of expert 0, last one partly padding; K, N tails"),
+    Case("empty-experts", {"T": 20, "E": 10, "k": 2, "K": 40, "N": 64, "block": 32, "spread": "sparse",
+                           "per_pair": True},
+         edge="odd experts get nothing; per-pair rows (the down projection); tile 32 < config.block_m"),
+    Case("prime-experts", {"T": 13, "E": 61, "k": 3, "K": 72, "N": 56, "block": 16, "swiglu": True},
+         edge="E=61 (prime), mostly one-pair experts; gate/up halves of 28 columns"),
+    Case("big-tiles", {"T": 50, "E": 4, "k": 2, "K": 100, "N": 80, "block": 64},
+         edge="64-row tiles, 4 K steps with a tail of 4"),
+)
+
+
+def _model_cases() -> tuple[Case, ...]:
+    cases = []
+    for T, what in ((1, "decode"), (128, "prefill 128"), (8192, "prefill 8192")):
+        block = moe_block_size(8 * T, 128)
+        base = {"T": T, "E": 128, "k": 8, "block": block}
+        cases.append(Case(f"qwen3-30b-a3b-gate-up-T{T}", dict(base, K=2048, N=1536, swiglu=True),
+                          edge=f"Qwen3-30B-A3B experts' gate+up with SwiGLU, {what}"))
+        cases.append(Case(f"qwen3-30b-a3b-down-T{T}", dict(base, K=768, N=2048, per_pair=True),
+                          edge=f"Qwen3-30B-A3B experts' down projection, {what}"))
+    return tuple(cases)
+
+
+MOE_GEMM_SPEC = register_spec(OpSpec(
+    op="moe_gemm",
+    reference=moe_gemm_ref,
+    make_inputs=_make_inputs,
+    cases=SMALL_CASES,
+    model_cases=_model_cases(),
+    bytes_moved=_bytes,
+    flops=_flops,
+    out_arg="out",
+    launch_config=MoEGemmConfig,
+))

@@ -1,0 +1,196 @@
+"""Qwen3 (dense) and Qwen3-MoE.
+
+Per layer, as Llama (llama.py), with three differences:
+- q and k are RMS-normalised per head (weights ``[Dh]``) after the projection and before RoPE;
+- the head dim is the config's (128 for every Qwen3 size), not ``D / H``;
+- Qwen3-MoE: in ``cfg.moe_layers`` the FFN is a router ``[E, D]`` whose logits pick, per token,
+  ``A`` of ``E`` SwiGLU experts (softmax, top-k, renormalised over the chosen ones when
+  ``norm_topk_prob``), and the experts' outputs are summed with those weights. The other layers
+  (HF ``mlp_only_layers``, or every layer when ``decoder_sparse_step`` skips it) keep a dense FFN.
+
+RoPE rotates halves (pairs ``i, i + Dh/2``) for HF folders and GGUF files alike: llama.cpp runs
+``qwen3``/``qwen3moe`` with NeoX-style RoPE, and its converter leaves q/k unpermuted (only the
+Llama family is permuted for interleaved pairs).
+Shape legend: T tokens, D hidden, H heads, Hkv kv heads, Dh head dim, I ffn dim, E experts, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch import nn
+
+from qml_kernels.activations import swiglu
+from qml_kernels.attention import AttentionMetadata, paged_attention
+from qml_kernels.linear import linear
+from qml_kernels.moe_gemm import moe_forward
+from qml_kernels.rmsnorm import add_rmsnorm, rmsnorm
+from qml_kernels.rope import rope_cos_sin, rope_inv_freq
+from qml_kernels.rope_kv_write import rope_kv_write
+from qml_runtime.config import ModelConfig
+from qml_runtime.kv.cache import KVCache
+from qml_runtime.models import llama
+from qml_runtime.models.llama import _param
+
+
+class Qwen3Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, sparse: bool, device, dtype):
+        super().__init__()
+        D, Dh = cfg.hidden_size, cfg.head_dim
+        qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * Dh
+        self.sparse = sparse
+        self.attn_norm = _param(D, device=device, dtype=dtype)
+        self.wqkv = _param(qkv_rows, D, device=device, dtype=dtype)
+        self.q_norm = _param(Dh, device=device, dtype=dtype)
+        self.k_norm = _param(Dh, device=device, dtype=dtype)
+        self.wo = _param(D, cfg.num_heads * Dh, device=device, dtype=dtype)
+        self.mlp_norm = _param(D, device=device, dtype=dtype)
+        if sparse:
+            E, I = cfg.num_experts, cfg.moe_intermediate_size
+            self.router = _param(E, D, device=device, dtype=dtype)
+            self.experts_gate_up = _param(E, 2 * I, D, device=device, dtype=dtype)  # gate rows, then up rows
+            self.experts_down = _param(E, D, I, device=device, dtype=dtype)
+        else:
+            self.w_gate_up = _param(2 * cfg.intermediate_size, D, device=device, dtype=dtype)
+            self.w_down = _param(D, cfg.intermediate_size, device=device, dtype=dtype)
+
+    def mlp(self, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        """x: [T, D] -> [T, D]."""
+        if self.sparse:
+            router_logits = linear(x, self.router)  # [T, E]
+            return moe_forward(x, router_logits, self.experts_gate_up, self.experts_down,
+                               cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return linear(swiglu(linear(x, self.w_gate_up)), self.w_down)
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        D, V = cfg.hidden_size, cfg.vocab_size
+        sparse = set(cfg.moe_layers)
+        self.embed = _param(V, D, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(Qwen3Layer(cfg, i in sparse, device, dtype) for i in range(cfg.num_layers))
+        self.norm = _param(D, device=device, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(V, D, device=device, dtype=dtype)
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        I, Ie = cfg.intermediate_size, cfg.moe_intermediate_size
+        self.shards = {
+            "wqkv": {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)},
+            "w_gate_up": {"gate": slice(0, I), "up": slice(I, 2 * I)},
+            "experts_gate_up": {"gate": slice(0, Ie), "up": slice(Ie, 2 * Ie)},  # rows of each expert
+        }
+        self._inv_freq: tuple[torch.Tensor, float] | None = None
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._inv_freq is None:
+            inv_freq, scale = rope_inv_freq(self.cfg.rotary_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+            self._inv_freq = (inv_freq.to(positions.device), scale)
+        return rope_cos_sin(positions, *self._inv_freq)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, D]."""
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos, sin = self.rope_tables(positions)  # [T, R/2]
+        scale = Dh**-0.5
+        h = self.embed[input_ids]  # [T, D]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                x, residual = rmsnorm(h, layer.attn_norm, cfg.rms_eps), h
+            else:
+                x, residual = add_rmsnorm(h, residual, layer.attn_norm, cfg.rms_eps)
+            qkv = linear(x, layer.wqkv)  # [T, (H + 2Hkv) Dh]
+            q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+            # each (token, head) row of q and k is normalised on its own: [T·H, Dh] rows
+            q = rmsnorm(q.reshape(T * H, Dh), layer.q_norm, cfg.rms_eps).view(T, H, Dh)
+            k = rmsnorm(k.reshape(T * Hkv, Dh), layer.k_norm, cfg.rms_eps).view(T, Hkv, Dh)
+            k_cache, v_cache = kv.layer(i)
+            rope_kv_write(q, k, v.view(T, Hkv, Dh), cos, sin, k_cache, v_cache, meta.slot_mapping,
+                          cfg.rope_interleaved, out=q)
+            o = paged_attention(q, k_cache, v_cache, meta, scale)  # [T, H, Dh]
+            h = linear(o.reshape(T, H * Dh), layer.wo)  # [T, D]
+            x, residual = add_rmsnorm(h, residual, layer.mlp_norm, cfg.rms_eps)
+            h = layer.mlp(x, cfg)  # [T, D]
+        out, _ = add_rmsnorm(h, residual, self.norm, cfg.rms_eps)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, D] -> logits [B, V] in fp32."""
+        head = self.embed if self.lm_head is None else self.lm_head
+        return linear(hidden, head).float()
+
+
+# --- checkpoint formats ---------------------------------------------------------------
+
+GGUF_WEIGHTS = {
+    **{pat: target for pat, target in llama.GGUF_WEIGHTS.items() if pat != r"rope_freqs\.weight"},
+    r"blk\.(\d+)\.attn_q_norm\.weight": ("layers.{}.q_norm", None),
+    r"blk\.(\d+)\.attn_k_norm\.weight": ("layers.{}.k_norm", None),
+    r"blk\.(\d+)\.ffn_gate_inp\.weight": ("layers.{}.router", None),
+    # experts stacked [E, I, D] / [E, D, I] in the file, as in the model
+    r"blk\.(\d+)\.ffn_gate_exps\.weight": ("layers.{}.experts_gate_up", "gate"),
+    r"blk\.(\d+)\.ffn_up_exps\.weight": ("layers.{}.experts_gate_up", "up"),
+    r"blk\.(\d+)\.ffn_down_exps\.weight": ("layers.{}.experts_down", None),
+}
+
+HF_WEIGHTS = {
+    **llama.HF_WEIGHTS,
+    r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight": ("layers.{}.q_norm", None),
+    r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight": ("layers.{}.k_norm", None),
+    r"model\.layers\.(\d+)\.mlp\.gate\.weight": ("layers.{}.router", None),
+    # one tensor per expert in the file: each fills its slice of the stacked parameter
+    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.gate_proj\.weight": ("layers.{}.experts_gate_up[{}]", "gate"),
+    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.up_proj\.weight": ("layers.{}.experts_gate_up[{}]", "up"),
+    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.down_proj\.weight": ("layers.{}.experts_down[{}]", None),
+}
+
+_GGUF_ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
+
+
+def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
+    """``qwen3`` and ``qwen3moe`` files; the layers with a router tensor are the sparse ones."""
+    arch = meta["general.architecture"]
+    ffn_key, expert_ffn_key = f"{arch}.feed_forward_length", f"{arch}.expert_feed_forward_length"
+    if ffn_key not in meta and expert_ffn_key in meta:
+        meta = {**meta, ffn_key: meta[expert_ffn_key]}  # an all-MoE file may give only the experts' width
+    cfg = dataclasses.replace(llama.config_from_gguf(meta, tensor_names), rope_interleaved=False)
+    moe_layers = tuple(sorted(int(m.group(1)) for m in map(_GGUF_ROUTER.fullmatch, tensor_names) if m))
+    if not moe_layers:
+        return cfg
+    missing = [k for k in ("expert_count", "expert_used_count", "expert_feed_forward_length")
+               if f"{arch}.{k}" not in meta]
+    if missing:
+        raise ValueError(f"GGUF metadata lacks {', '.join(f'{arch}.{k}' for k in missing)}")
+    return dataclasses.replace(
+        cfg,
+        num_experts=int(meta[f"{arch}.expert_count"]),
+        num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]),
+        moe_intermediate_size=int(meta[expert_ffn_key]),
+        # llama.cpp always renormalises Qwen3-MoE's top-k weights; newer files may say so explicitly
+        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        moe_layers=moe_layers,
+    )
+
+
+def config_from_hf(cfg: dict) -> ModelConfig:
+    """``Qwen3ForCausalLM`` and ``Qwen3MoeForCausalLM`` config.json files."""
+    base = llama.config_from_hf(cfg)
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not num_experts:
+        return base
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or ())
+    return dataclasses.replace(
+        base,
+        num_experts=num_experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),  # transformers' default
+        moe_layers=tuple(i for i in range(base.num_layers) if i not in dense and (i + 1) % step == 0),
+    )
