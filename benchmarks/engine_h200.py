@@ -167,26 +167,86 @@ def compare(ours: torch.Tensor, theirs: torch.Tensor) -> dict:
     return {"max_rel_diff": round(rel, 5), "min_cosine": round(cos.min().item(), 6), "top1_agree": round(top1, 4)}
 
 
+def qwen3_hf_config(cfg: ModelConfig):
+    import transformers
+
+    kw = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+          "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+          "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_eps,
+          "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.context_length,
+          "tie_word_embeddings": cfg.tie_word_embeddings}
+    if cfg.num_experts:
+        kw |= {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+               "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob,
+               "decoder_sparse_step": 1,
+               "mlp_only_layers": [i for i in range(cfg.num_layers) if i not in cfg.moe_layers]}
+        hc = transformers.Qwen3MoeConfig(**kw)
+    else:
+        hc = transformers.Qwen3Config(**kw)
+    hc.rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    hc._attn_implementation = "sdpa"
+    return hc
+
+
+def hf_pair(args, device, dtype):
+    """(our model, transformers' model) with the same random weights at the preset's shapes
+    (``--layers`` keeps the first N layers, for models two copies of which do not fit)."""
+    import dataclasses
+
+    import transformers
+
+    from qml_runtime import models
+    from qml_runtime.presets import PRESETS, random_model
+    from qml_runtime.weights.hf import HFFolder
+    from qml_runtime.weights.loading import load_weights
+
+    preset = PRESETS[args.preset]
+    cfg = preset.config
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers,
+                                  moe_layers=tuple(i for i in cfg.moe_layers if i < args.layers))
+    if preset.hf_architecture == "LlamaForCausalLM":
+        ours = random_model(dataclasses.replace(preset, config=cfg), device, dtype)
+        # built in the target dtype (not converted after: .to(bf16) would round RoPE's fp32 inverse
+        # frequencies, which transformers computes in fp32 explicitly)
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                hf = transformers.LlamaForCausalLM(hf_config(cfg)).eval()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
+        copy_into_hf(ours, hf, cfg)
+        return ours, hf, cfg
+    # other architectures: transformers' own random weights, through a checkpoint folder (its
+    # in-memory expert layout differs from the files'), loaded by our HF loader
+    import tempfile
+
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = getattr(transformers, preset.hf_architecture)(qwen3_hf_config(cfg)).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with torch.no_grad():  # transformers' init (std 0.02) would leave 1e-6 logits: unit-RMS activations instead
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    folder = tempfile.mkdtemp(prefix="qml-hf-")
+    hf.save_pretrained(folder, safe_serialization=True)
+    arch = models.for_hf(preset.hf_architecture)
+    ours = arch.model_cls(cfg, device, dtype)
+    load_weights(ours, HFFolder(folder), arch.hf_weights, progress=False)
+    return ours, hf, cfg
+
+
 def section_transformers(args, device) -> None:
     import transformers
 
     from qml_runtime.cuda_graphs import DecodeGraphs
-    from qml_runtime.presets import PRESETS, random_model
 
-    preset = PRESETS[args.preset]
-    cfg = preset.config
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    ours = random_model(preset, device, dtype)
-    # built in the target dtype (not converted after: .to(bf16) would round RoPE's fp32 inverse
-    # frequencies, which transformers computes in fp32 explicitly)
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            hf = transformers.LlamaForCausalLM(hf_config(cfg)).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
-    assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
-    copy_into_hf(ours, hf, cfg)
+    ours, hf, cfg = hf_pair(args, device, dtype)
     n_prompt, n_decode, S = args.hf_prompt, args.hf_decode, 16
     gen = torch.Generator().manual_seed(2)
     prompt = torch.randint(1, cfg.vocab_size, (n_prompt,), generator=gen).tolist()
@@ -215,7 +275,7 @@ def section_transformers(args, device) -> None:
         theirs = hf(torch.tensor([prompt + tokens], device=device)).logits[0].float()  # [total, V]
     pre = compare(prefill_logits.float(), theirs[:n_prompt])
     dec = compare(torch.stack(decode_logits).float(), theirs[n_prompt:])
-    record("transformers", preset=args.preset, dtype=str(dtype), prompt_tokens=n_prompt, decode_steps=n_decode,
+    record("transformers", preset=args.preset, layers=cfg.num_layers, dtype=str(dtype), prompt_tokens=n_prompt, decode_steps=n_decode,
            prefill=pre, decode=dec, transformers_version=transformers.__version__)
     print("prefill", pre, "decode", dec, flush=True)
     tol_cos = 0.99 if dtype == torch.bfloat16 else 0.99999
@@ -403,6 +463,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--concurrency-prompt", type=int, default=2000)
     parser.add_argument("--kv-cache-gib", type=float, default=40.0)
+    parser.add_argument("--layers", type=int, default=0, help="transformers check: first N layers only")
     args = parser.parse_args()
     args.sizes = [int(s) for s in args.sizes.split(",")]
     device = torch.device(args.device)

@@ -95,7 +95,7 @@ def run_serve(out: Path, prompt_tokens: str, concurrency: int) -> int:
     proc = start_server(out, "serve")
     try:
         return bench(out, "serve", "serve", "--prompt-tokens", prompt_tokens, "--concurrency", str(concurrency),
-                     "--concurrency-prompt-tokens", "2000", "--out", str(out / "bench-serve.json"))
+                     "--concurrency-prompt-tokens", "2048", "--out", str(out / "bench-serve.json"))
     finally:
         stop_server(proc)
 
@@ -113,7 +113,8 @@ def run_sessions(out: Path, users: int, turns: int, turn_tokens: int, tier_flags
         rc |= bench(out, "sessions-gpu", "sessions", "--resume", str(out / "conv-build.json"), "--turn-tokens", "133",
                     "--fresh", "--save", str(out / "conv-gpu.json"), "--out", str(out / "sessions-gpu.json"))
         rc |= bench(out, "sessions-host", "sessions", "--resume", str(out / "conv-gpu.json"), "--turn-tokens", "133",
-                    "--phase", "evict", "--evict-tokens", str(evict_tokens), "--fresh",
+                    # no --fresh here: its full prefills would fill the disk budget the histories need
+                    "--phase", "evict", "--evict-tokens", str(evict_tokens),
                     "--save", str(out / "conv-host.json"), "--out", str(out / "sessions-host.json"))
     finally:
         stop_server(proc)
@@ -140,9 +141,11 @@ def main() -> int:
     parser.add_argument("--preset", default=PRESET)
     parser.add_argument("--prompt-tokens", default="133,598,2340,8892,26926")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--tier-flags", default="--kv-cache-gib 16 --kv-host-gib 48 --kv-disk-gib 48",
+    # a GPU pool of 82k tokens: the two ~28k-token histories fit, 100k tokens of other prompts push
+    # them out to host RAM; the disk budget holds everything written (the machine has 64 GB of disk)
+    parser.add_argument("--tier-flags", default="--kv-cache-gib 10 --kv-host-gib 40 --kv-disk-gib 40",
                         help="sessions: the pool and tier budgets")
-    parser.add_argument("--evict-tokens", type=int, default=160000)
+    parser.add_argument("--evict-tokens", type=int, default=100000)
     parser.add_argument("--serve-flags", default="", help="more `qml serve` flags, space-separated")
     args = parser.parse_args()
     globals()["PRESET"] = args.preset

@@ -117,6 +117,30 @@ PRESETS: dict[str, Preset] = {
         "Qwen3MoeForCausalLM",
         "Qwen Qwen3-30B-A3B (30.5B parameters, 3.3B active: 8 of 128 experts; GQA 32/4, 40K context)",
     ),
+    # Small enough for CPU tests; the code paths of the 30B-A3B (q/k norms, experts, top-k routing).
+    "tiny-qwen3-moe": Preset(
+        ModelConfig(
+            architecture="qwen3_moe",
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=96,
+            num_layers=3,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            rms_eps=1e-6,
+            rope_theta=1000000.0,
+            context_length=4096,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            moe_layers=(0, 1, 2),
+        ),
+        "Qwen3MoeForCausalLM",
+        "a 3-layer Qwen3-MoE (8 experts, top-2) for tests",
+    ),
     "qwen3-32b": Preset(
         ModelConfig(
             architecture="qwen3",

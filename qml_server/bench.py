@@ -38,8 +38,8 @@ ends, which leaves out the ramp of the first prefills and the tail), and TTFT, i
 latency (gaps between successive text chunks of a request) and time-per-output-token
 percentiles (p50/p90/p99).
 
-For Llama-3.1-8B (``--reference``, by default recognised from the model's name) the results
-are printed beside the reference numbers of issue 4 (``REFERENCE``).
+For Llama-3.1-8B and Qwen3-30B-A3B (``--reference``, by default recognised from the model's
+name) the results are printed beside the reference numbers of issues 4 and 6 (``REFERENCE``).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ DEFAULT_CONCURRENCY_PROMPT_TOKENS = 2048
 MAX_PROBES = 24  # chat API: calibration requests per prompt size before settling for the closest count
 APIS = ("completions", "chat")
 
-# Reference numbers for Llama-3.1-8B. Source: issue 4, item 7 (TTFT in ms at these prompt
-# sizes; decode in ms/token; the concurrency target on the H200). Kept verbatim.
+# Reference numbers for Llama-3.1-8B (source: issue 4, item 7) and Qwen3-30B-A3B (issue 6): TTFT
+# in ms at these prompt sizes; decode in ms/token; the concurrency target on the H200. Kept verbatim.
 REFERENCE = {
     "llama-3.1-8b": {
         "source": "issue 4, item 7",
@@ -95,6 +95,17 @@ REFERENCE = {
         "target": ("qml target", (10.0, 20.0, 62.0, 250.0, 850.0), 4.4),
         # lower bound: generated tokens/s with `conversations` at once, `prompt_tokens`-token contexts
         "concurrency_target": {"conversations": 32, "prompt_tokens": 2048, "tokens_per_s": 4500.0},
+    },
+    # Source: issue 6 (the sizes there are approximate, "~130" etc.; these are the ones we send).
+    "qwen3-30b-a3b": {
+        "source": "issue 6",
+        "prompt_tokens": (130, 590, 2340, 8890, 26900),
+        "engines": (
+            ("vLLM 0.32", (25.7, 61.3, 83.3, 267.2, 943.3), 3.97),
+            ("SGLang 0.5.22", (23.1, 28.1, 61.5, 206.3, 889.8), 3.59),
+            ("llama.cpp", (66.2, 204.6, 612.1, 2294.7, 7252.8), 5.06),
+        ),
+        "target": ("qml target", (17.0, 24.0, 50.0, 170.0, 750.0), 2.6),
     },
 }
 
