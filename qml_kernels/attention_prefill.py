@@ -31,6 +31,38 @@ FLOPs are ``4 H Dh`` per visible (query, key) pair, about ``2 n_q L H Dh`` for a
 A Llama-3.1-8B prefill of 8192 tokens does ~3000 FLOPs per byte (compute-bound; the H200's ridge
 is ~180), one of 128 tokens ~50, decode rows ~1 (bandwidth-bound).
 
+Split-KV mode (flash-decoding's idea applied to query tiles): a short chunk over a long cached
+context, like the next turn of a conversation (216 new tokens over 28,000 cached for Llama-3.1-8B),
+has only 7 tiles x 8 KV heads = 56 programs, each walking all 28k keys, so 76 of the H200's 132
+SMs idle (0.82 ms a layer). The grid then gets a third axis of ``splits``: program
+``(tile, kv head, split)`` takes its share of the key blocks the tile needs (the band [lo, hi)
+above, cut into ``splits`` runs of whole BLOCK_N blocks that differ by at most one block, the
+masked/unmasked parts kept apart inside each run), and writes its rows' normalized partial output
+and log-sum-exp (base 2) to an fp32 workspace ``[T, H, splits, Dh]`` + ``[T, H, splits]``. A second
+kernel, decode's merge (``attention_decode._paged_decode_attention_merge_kernel``, whose layout
+this is, with token rows for sequence rows), combines each (token, head)'s splits by their
+log-sum-exps and adds the sink to the denominator once. A row that sees no key in a run (outside
+the window, past the diagonal, or a run left empty when the band has fewer blocks than splits)
+keeps l = 0: it stores lse = -inf and no output, and weighs 0 in the merge.
+
+Extra traffic: the workspace, ``T * H * splits * (Dh + 1)`` fp32 written once and read once
+(~25 MB at 7 splits for the 216-token turn, against ~115 MB of K/V; the band is still read once
+per tile, mostly from L2), and a merge launch: a few microseconds to ~20. The split count is
+chosen on the host (``prefill_num_splits``) from host values only (the tiles from
+``cu_seqlens_q_host``, Hkv, and the longest band from ``max(meta.context_lens_host)`` and the
+window), never from device tensors, so a launch captured in a CUDA graph stays valid while the
+real lengths change on the device: each program finds its run of the band on the device, and any
+split count is correct for any lengths. The choice models time in key steps of one program: with
+one program resident per SM (~220 registers x 8 warps), ``ceil(programs * s / 132)`` waves of
+``band / s`` keys each, plus the merge (about one key step per program and split for the
+workspace, and a fixed launch cost), and keeps the cheapest s. Measured on the H200 (bf16,
+Llama-3.1-8B, one layer, the automatic choice in brackets, the best forced count within 3%):
+216 over 28,000 keys 825 -> 371 us (7 splits), 133 over 8,000 241 -> 103 us (3), 64 over 16,000
+501 -> 82 us (8); 512 and 1024 over 32k fill one and two waves and keep one split (a forced
+second split gains 4-6%). Fresh prompts (short bands, or tiles that fill a wave: splitting a
+512-token one took it from ~30 to ~55 us) and big mixed batches run with one split: no workspace,
+no merge launch, the output written directly as before.
+
 Sources: Dao, "FlashAttention-2" (2023) for the loop and the online softmax; the paged
 layout and sink fold of qml_kernels.attention's reference.
 """
@@ -45,6 +77,7 @@ import triton
 import triton.language as tl
 
 from qml_kernels.attention import AttentionMetadata, paged_attention_ref
+from qml_kernels.attention_decode import H200_SMS, _paged_decode_attention_merge_kernel
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
@@ -57,19 +90,34 @@ class PagedPrefillAttentionConfig:
     """Launch tunables; ``None`` block sizes are picked from the head dim (``tiles``).
 
     block_m: query rows per program (tokens x query heads of one KV head), power of 2 >= 16;
-    block_n: key slots per loop step (gathered page by page), power of 2 >= 16.
+    block_n: key slots per loop step (gathered page by page), power of 2 >= 16;
+    num_splits: programs sharing one tile's keys (split-KV); None chooses per batch with
+    ``prefill_num_splits``, which the remaining fields steer.
     """
 
     block_m: int | None = None
     block_n: int | None = None
     num_warps: int = 8
     num_stages: int = 3
+    num_splits: int | None = None
+    # programs running at once: one per SM, as ~220 registers x 8 warps leave room for one
+    concurrent_programs: int = H200_SMS
+    min_keys_per_split: int = 256
+    max_splits: int = 32
+    # the merge's launch and the split kernel's tail, in key steps of one program (~30 ns each at
+    # Dh 128 on the H200, the whole GPU busy): ~15 us, fitted to the measured split counts
+    merge_overhead_keys: int = 500
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value is not None and (value < 16 or value & (value - 1)):
                 raise ValueError(f"PagedPrefillAttentionConfig.{name} must be a power of 2 >= 16 (tl.dot), got {value}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"PagedPrefillAttentionConfig.num_splits must be >= 1, got {self.num_splits}")
+        if min(self.max_splits, self.min_keys_per_split, self.concurrent_programs) < 1 or self.merge_overhead_keys < 0:
+            raise ValueError("PagedPrefillAttentionConfig: max_splits, min_keys_per_split and concurrent_programs "
+                             "must be >= 1, merge_overhead_keys >= 0")
 
     def tiles(self, head_dim: int, group: int) -> tuple[int, int]:
         """(BLOCK_M, BLOCK_N) for this head dim; BLOCK_M holds at least one token's query heads."""
@@ -78,6 +126,29 @@ class PagedPrefillAttentionConfig:
         block_m = self.block_m or (128 if head_dim <= 128 else 64)
         block_n = self.block_n or (64 if head_dim <= 128 else 32)
         return max(block_m, triton.next_power_of_2(group)), block_n
+
+
+def prefill_num_splits(programs: int, max_band: int, config: PagedPrefillAttentionConfig) -> int:
+    """Splits of each tile's keys, from host values only: ``programs`` is the (tile, KV head) pairs
+    that hold queries, ``max_band`` the most keys one tile sees.
+
+    Time in key steps of one program: ``ceil(programs * s / concurrent_programs)`` waves of
+    ``max_band / s`` keys, plus for s > 1 the merge: its fixed cost, and the workspace, whose
+    ``BLOCK_M x Dh`` fp32 per program and split (written, then read) takes about as long at the
+    card's bandwidth as one key step of the programs (4 BLOCK_M Dh FLOPs each) takes at its
+    tensor-core rate, whatever BLOCK_M and Dh. Ties go to fewer splits; each split keeps at least
+    ``min_keys_per_split`` keys."""
+    if config.num_splits is not None:
+        return config.num_splits
+    programs = max(1, programs)
+
+    def cost(splits: int) -> int:
+        waves = -(-programs * splits // config.concurrent_programs)
+        merge = 0 if splits == 1 else config.merge_overhead_keys + programs * splits
+        return waves * -(-max_band // splits) + merge
+
+    most = max(1, min(config.max_splits, max_band // config.min_keys_per_split))
+    return min(range(1, most + 1), key=cost)
 
 
 @triton.jit
@@ -139,19 +210,21 @@ def _attend_keys(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, L, window, pre
 
 @triton.jit
 def _paged_prefill_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr, part_o_ptr, part_lse_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-    num_seqs, pre_scale, post_scale, window,
+    num_seqs, num_heads, num_splits, pre_scale, post_scale, window,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_page, stride_slot, stride_head, stride_bt,
     GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_CHUNK: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # grid: (query tiles over the batch, KV heads)
+    # grid: (query tiles over the batch, KV heads, splits of each tile's keys); DIRECT: one split,
+    # which writes out itself (part_* and num_splits unused)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     # this program's sequence: the last b whose first tile index cu_seqlens_q[b] // TILE_TOKENS + b
     # is <= pid (those indices strictly increase with b)
@@ -194,6 +267,15 @@ def _paged_prefill_attention_kernel(
     no_full = full_lo >= full_hi
     full_lo = tl.where(no_full, hi, full_lo)
     full_hi = tl.where(no_full, hi, full_hi)
+    if DIRECT:
+        run_lo = lo
+        run_hi = hi
+    else:
+        # this split's run [run_lo, run_hi) of whole blocks of the band: splits differ by at most
+        # one block; a band of fewer blocks than splits leaves some runs empty
+        n_blocks = tl.cdiv(hi - lo, BLOCK_N)
+        run_lo = lo + split * n_blocks // num_splits * BLOCK_N
+        run_hi = tl.minimum(lo + (split + 1) * n_blocks // num_splits * BLOCK_N, hi)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_head
@@ -201,24 +283,40 @@ def _paged_prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # the band's three parts cut to the run (lo <= run_lo and run_hi <= hi; a part that starts at
+    # an unaligned hi is empty)
     acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, L, window,
-                                 pre_scale, post_scale, stride_page, stride_slot, lo, full_lo,
+                                 pre_scale, post_scale, stride_page, stride_slot,
+                                 run_lo, tl.minimum(full_lo, run_hi),
                                  True, HAS_WINDOW, HAS_SOFTCAP, PAGE_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
     acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, L, window,
-                                 pre_scale, post_scale, stride_page, stride_slot, full_lo, full_hi,
+                                 pre_scale, post_scale, stride_page, stride_slot,
+                                 tl.maximum(full_lo, run_lo), tl.minimum(full_hi, run_hi),
                                  False, HAS_WINDOW, HAS_SOFTCAP, PAGE_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
     acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, L, window,
-                                 pre_scale, post_scale, stride_page, stride_slot, full_hi, hi,
+                                 pre_scale, post_scale, stride_page, stride_slot,
+                                 tl.maximum(full_hi, run_lo), run_hi,
                                  True, HAS_WINDOW, HAS_SOFTCAP, PAGE_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
 
-    if HAS_SINKS:
-        # the sink is a logit with no value: it only adds to the denominator
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
-        l_i += tl.exp2(sink * 1.4426950408889634 - m_i)
-    # rows outside the tile (padding) may have l = 0; they are not stored
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_row = (q_start + tok).to(tl.int64) * stride_o_t + head * stride_o_h
-    tl.store(out_ptr + o_row[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if DIRECT:
+        if HAS_SINKS:
+            # the sink is a logit with no value: it only adds to the denominator
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            l_i += tl.exp2(sink * 1.4426950408889634 - m_i)
+        # rows outside the tile (padding) may have l = 0; they are not stored
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_row = (q_start + tok).to(tl.int64) * stride_o_t + head * stride_o_h
+        tl.store(out_ptr + o_row[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # l >= 1 once a row has seen a key (its max term is 2^0) and 0 if it saw none in this run:
+        # the floor makes that row's lse -inf (weight 0 in the merge, which then skips its o, so
+        # that o is not stored) without 0 / 0; the sink joins in the merge, once
+        seen = l_i > 0.0
+        l_i = tl.maximum(l_i, 1.0)
+        part = ((q_start + tok).to(tl.int64) * num_heads + head) * num_splits + split  # [BLOCK_M]
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_ok)
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None],
+                 mask=(row_ok & seen)[:, None])
 
 
 def _check_metadata(meta: AttentionMetadata, T: int, device: torch.device) -> None:
@@ -286,35 +384,56 @@ def paged_prefill_attention_triton(
     if T == 0 or B == 0:
         return out
 
+    tile_tokens = config.tiles(Dh, H // Hkv)[0] // (H // Hkv)
+    cu = meta.cu_seqlens_q_host
+    busy_tiles = sum((end - start + tile_tokens - 1) // tile_tokens for start, end in zip(cu, cu[1:]))
+    max_len = max(meta.context_lens_host)
+    # a tile's band: its first query's keys (at most W with a window) up to its last query
+    max_band = max_len if sliding_window is None else min(max_len, sliding_window + tile_tokens - 1)
+    splits = prefill_num_splits(busy_tiles * Hkv, max_band, config)
     constexprs = _constexprs(H, Hkv, Dh, S, q.dtype, sliding_window is not None, sinks is not None,
-                             softcap is not None, config)
+                             softcap is not None, config, direct=splits == 1)
     if softcap is None:
         pre_scale, post_scale = scale * LOG2E, 1.0
     else:
         pre_scale, post_scale = scale / softcap, softcap * LOG2E
+    sinks_arg = sinks if sinks is not None else q  # a placeholder pointer, never read
+    if splits == 1:
+        part_o = part_lse = out  # unused: the kernel writes out itself
+    else:
+        # allocated per call from torch's caching allocator: cheap, and under CUDA graph capture it
+        # comes from the graph's private pool, so replays reuse the same addresses
+        part_o = torch.empty((T, H, splits, Dh), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
     # sequence b's tiles start at program cu_seqlens_q[b] // TILE_TOKENS + b, so T // TILE_TOKENS + B
     # programs cover every sequence's last tile
-    grid = (T // constexprs["TILE_TOKENS"] + B, Hkv)
-    _paged_prefill_attention_kernel[grid](
-        q, k_cache, v_cache, out, sinks if sinks is not None else q,
+    _paged_prefill_attention_kernel[(T // tile_tokens + B, Hkv, splits)](
+        q, k_cache, v_cache, out, sinks_arg, part_o, part_lse,
         meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-        B, pre_scale, post_scale, sliding_window or 0,
+        B, H, splits, pre_scale, post_scale, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         **constexprs, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if splits > 1:
+        # decode's merge: its workspace layout [rows, H, splits, Dh] is this one with rows = tokens
+        _paged_decode_attention_merge_kernel[(T, H)](
+            part_o, part_lse, sinks_arg, out, H, splits, out.stride(0), out.stride(1),
+            HEAD_DIM=Dh, BLOCK_D=Dh, BLOCK_SPLITS=triton.next_power_of_2(splits),
+            HAS_SINKS=sinks is not None, num_warps=4,
+        )
     return out
 
 
 def _constexprs(H: int, Hkv: int, Dh: int, S: int, dtype: torch.dtype, window: bool, sinks: bool, softcap: bool,
-                config: PagedPrefillAttentionConfig) -> dict:
-    """The kernel's compile-time parameters, as the launcher specialises it."""
+                config: PagedPrefillAttentionConfig, direct: bool = True) -> dict:
+    """The kernel's compile-time parameters, as the launcher specialises it (``direct``: one split)."""
     group = H // Hkv
     block_m, block_n = config.tiles(Dh, group)
     return {"GROUP": group, "TILE_TOKENS": block_m // group, "HEAD_DIM": Dh, "PAGE_SIZE": S,
             "BLOCK_M": block_m, "BLOCK_N": block_n,
             "SEQ_CHUNK": 64,  # sequences scanned per step of the program -> sequence search
-            "HAS_WINDOW": window, "HAS_SINKS": sinks, "HAS_SOFTCAP": softcap,
+            "HAS_WINDOW": window, "HAS_SINKS": sinks, "HAS_SOFTCAP": softcap, "DIRECT": direct,
             # fp32 inputs would otherwise run as tf32 on the GPU (10-bit mantissa); half types ignore it
             "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
 
@@ -444,6 +563,10 @@ SMALL_CASES = (
          edge="page size 32, chunk starting mid-page"),
     Case("page-64", {"seqs": ((70, 130), (1, 64)), "H": 4, "Hkv": 2, "Dh": 64, "S": 64, "shuffle": True},
          edge="page size 64: a context of exactly one page, queries crossing pages"),
+    Case("few-queries-long-context", {"seqs": ((3, 600), (1, 530)), "H": 4, "Hkv": 1, "Dh": 64, "sinks": True,
+                                      "shuffle": True},
+         edge="a short chunk and a decode row over long contexts: the default config splits the keys "
+              "(merge stage, sinks added in the merge)"),
 )
 
 
@@ -458,6 +581,10 @@ def _model_cases() -> tuple[Case, ...]:
         ("prefix-hit-512-ctx32k", ((512, 32768),), "512 new tokens after a 32k prefix-cache hit"),
         ("mixed-1chunk-63decode", ((512, 2048),) + ((1, 4096),) * 63, "mixed: one chunk + 63 decode rows"),
         ("batch8-T1024", ((1024, 1024),) * 8, "8 prefills of 1024"),
+        # the next turn of a conversation: a short chunk over a long cached context (split-KV)
+        ("turn216-ctx28000", ((216, 28000),), "216 new tokens over 28,000 (next turn of a long chat)"),
+        ("turn133-ctx8000", ((133, 8000),), "133 new tokens over 8,000"),
+        ("chunk1024-ctx32000", ((1024, 32000),), "1024 new tokens over 32,000"),
     )
     for model, dims in models:
         for tag, seqs, what in shapes:

@@ -188,20 +188,25 @@ def test_work_formulas_count_the_visible_band(n_q, L, window):
 _STRIDES = ("stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_page", "stride_slot", "stride_head")
 _SIGNATURE = {
     **{name: "*bf16" for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")},
-    "sinks_ptr": "*fp32", "block_tables_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "context_lens_ptr": "*i32",
-    "num_seqs": "i32", "pre_scale": "fp32", "post_scale": "fp32", "window": "i32",
+    "sinks_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+    "block_tables_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "context_lens_ptr": "*i32",
+    "num_seqs": "i32", "num_heads": "i32", "num_splits": "i32", "pre_scale": "fp32", "post_scale": "fp32",
+    "window": "i32",
     **{name: "i32" for name in (*_STRIDES, "stride_bt")},
     **{name: "constexpr" for name in ("GROUP", "TILE_TOKENS", "HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "BLOCK_N",
-                                      "SEQ_CHUNK", "HAS_WINDOW", "HAS_SINKS", "HAS_SOFTCAP", "DOT_PRECISION")},
+                                      "SEQ_CHUNK", "HAS_WINDOW", "HAS_SINKS", "HAS_SOFTCAP", "DIRECT",
+                                      "DOT_PRECISION")},
 }
 
 
-def _variant(H: int, Hkv: int, Dh: int, window=False, sinks=False, softcap=False, S: int = 16) -> dict:
-    """The bf16 kernel as the launcher specialises it with the default config; cache and q strides
-    are multiples of 16 elements at these sizes, which a real launch tells the compiler."""
+def _variant(H: int, Hkv: int, Dh: int, window=False, sinks=False, softcap=False, S: int = 16,
+             direct: bool = True) -> dict:
+    """The bf16 kernel as the launcher specialises it with the default config (``direct``: one
+    split, else the split-KV form writing the fp32 workspace); cache and q strides are multiples of
+    16 elements at these sizes, which a real launch tells the compiler."""
     config = PagedPrefillAttentionConfig()
     return {"kernel": _paged_prefill_attention_kernel, "signature": _SIGNATURE,
-            "constexprs": _constexprs(H, Hkv, Dh, S, torch.bfloat16, window, sinks, softcap, config),
+            "constexprs": _constexprs(H, Hkv, Dh, S, torch.bfloat16, window, sinks, softcap, config, direct),
             "num_warps": config.num_warps, "num_stages": config.num_stages, "divisible": _STRIDES}
 
 
@@ -212,6 +217,10 @@ COMPILE_VARIANTS = {
     "gpt-oss-dh64-g8-window-sinks": _variant(64, 8, 64, window=True, sinks=True),
     "gemma3-dh256-g4-window": _variant(4, 1, 256, window=True),
     "dh256-g16-softcap": _variant(16, 1, 256, softcap=True),
+    # split-KV (short chunks over long contexts): the same loop, partial outputs to the workspace
+    "split-llama3.1-8b-dh128-g4": _variant(32, 8, 128, direct=False),
+    "split-gpt-oss-dh64-g8-window-sinks": _variant(64, 8, 64, window=True, sinks=True, direct=False),
+    "split-dh256-g4-softcap": _variant(4, 1, 256, softcap=True, direct=False),
 }
 
 
@@ -224,6 +233,7 @@ def compile_reports() -> dict:
 def test_compiles_for_hopper(compile_reports, name):
     report = compile_reports[name]
     assert report.ok, report.error
+    print(report.summary())
     assert ".target sm_90a" in report.ptx
     assert report.spills in (0, None), f"{name}: {report.spills} spill bytes ({report.summary()})"
     # both products run on Hopper's warpgroup tensor cores, bf16 in, fp32 accumulate
