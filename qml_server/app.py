@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
@@ -9,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -17,11 +19,14 @@ from starlette.routing import Route
 from qml_server.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from qml_server.auth import ApiKeyMiddleware
 from qml_server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
+from qml_server.lifecycle import Lifecycle, LifecycleMiddleware, health
 from qml_server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from qml_server.metrics import ServerMetrics, metrics_endpoint
+from qml_server.openapi import openapi_endpoint
 from qml_server.routes_chat import chat_completions
 from qml_server.routes_completions import completions
-from qml_server.routes_models import health, list_models, retrieve_model
+from qml_server.routes_models import list_models, retrieve_model
+from qml_server.routes_tokens import detokenize, tokenize
 
 log = logging.getLogger("qml.server")
 
@@ -31,6 +36,7 @@ def create_app(
     api_keys: Iterable[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS,
+    start_in_background: bool = False,
 ) -> Starlette:
     """Build the OpenAI-compatible app serving ``engine``.
 
@@ -38,9 +44,14 @@ def create_app(
     context_length, tokenizer, generate(), info(), start(), shutdown(); optionally
     stats() and set_queue_time_observer() (qml_server.metrics), without which /metrics
     lacks the engine's gauges and ``max_queued_requests`` is not enforced. The engine
-    is started and shut down by the app's lifespan. With ``api_keys`` non-empty,
-    /v1/* requires one of them as a bearer token. ``max_queued_requests`` bounds the
-    requests waiting in the engine (None: unbounded); past it, 503 + Retry-After.
+    is started and shut down by the app's lifespan; with ``start_in_background`` the
+    lifespan returns at once and the server reports ``loading`` (503 on /health and every
+    API route) until ``engine.start()``, run on a worker thread, has returned, which lets
+    `qml serve` answer probes while it captures CUDA graphs. With ``api_keys`` non-empty,
+    /v1/*, /tokenize and /detokenize require one of them as a bearer token.
+    ``max_queued_requests`` bounds the requests waiting in the engine (None: unbounded);
+    past it, 503 + Retry-After. ``app.state.lifecycle`` (qml_server.lifecycle) is what
+    /health reports and what a graceful shutdown drains.
     """
     keys = tuple(k for k in api_keys if k)
     if max_body_bytes < 1:
@@ -57,16 +68,23 @@ def create_app(
         # one observer per engine: the last app built over it gets the queue times
         set_observer(metrics.observe_queue_time)
 
+    lifecycle = Lifecycle()
+
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/openapi.json", openapi_endpoint, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
     ]
-    # Listed outermost first: refuse a bad key before reading any body.
+    # Listed outermost first: a server that is not ready refuses before anything else,
+    # and a bad key is refused before any body is read.
     middleware = [
+        Middleware(LifecycleMiddleware, lifecycle=lifecycle),
         Middleware(ApiKeyMiddleware, keys=keys),
         Middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes),
     ]
@@ -78,13 +96,23 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await _maybe_await(engine.start())
-        log.info("engine started: %s", _describe(engine))
+        starting = None
+        if start_in_background:
+            lifecycle.loading()
+            starting = asyncio.ensure_future(_start_in_background(engine, lifecycle))
+        else:
+            await _maybe_await(engine.start())
+            log.info("engine started: %s", _describe(engine))
         try:
             yield
         finally:
+            lifecycle.begin_drain()
+            if starting is not None:
+                with anyio.CancelScope(shield=True):  # a thread cannot be cancelled: let start() end
+                    await starting
             log.info("shutting down the engine")
             await _maybe_await(engine.shutdown())
+            lifecycle.stop()
 
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=exception_handlers, lifespan=lifespan)
     app.state.engine = engine
@@ -92,7 +120,20 @@ def create_app(
     app.state.auth_enabled = bool(keys)
     app.state.metrics = metrics
     app.state.admission = admission
+    app.state.lifecycle = lifecycle
+    app.state.openapi = None  # built on the first GET /openapi.json
     return app
+
+
+async def _start_in_background(engine: Any, lifecycle: Lifecycle) -> None:
+    try:
+        await _maybe_await(await anyio.to_thread.run_sync(engine.start))
+    except Exception:
+        log.exception("the engine failed to start; the server will exit")
+        lifecycle.fail()
+        return
+    log.info("engine started: %s", _describe(engine))
+    lifecycle.ready()
 
 
 async def _maybe_await(result: Any) -> None:

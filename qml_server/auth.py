@@ -1,8 +1,9 @@
-"""Optional API keys on /v1/*, and the tenant identity they give a request.
+"""Optional API keys on /v1/*, /tokenize and /detokenize, and the tenant identity they give a request.
 
 Keys are kept only as SHA-256 digests and compared with ``secrets.compare_digest``
 against every configured key (no early exit), so neither the comparison time nor
-the log reveals a key. ``/health`` stays public for probes.
+the log reveals a key. ``/health``, ``/metrics`` and ``/openapi.json`` stay public for
+probes, scrapers and tooling.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def keys_from_env(value: str | None) -> tuple[str, ...]:
 
 
 class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on /v1/* when any key is configured.
+    """Requires ``Authorization: Bearer <key>`` on the API routes when any key is configured.
 
     Sets ``scope["state"]["tenant"]`` (read as ``request.state.tenant``): the tenant id
     of the key that authenticated, or None when the server runs without keys.
@@ -71,11 +72,16 @@ class ApiKeyMiddleware:
         return found
 
 
+# Outside /v1 but work done for a client all the same (tokenizing a long text costs CPU).
+_PROTECTED_ROUTES = frozenset({"/tokenize", "/detokenize"})
+
+
 def _protected(scope: Scope) -> bool:
     path: str = scope["path"]
     # OPTIONS stays open so a browser's CORS preflight (which never carries
     # credentials) is not refused before the real request.
-    return (path == "/v1" or path.startswith("/v1/")) and scope["method"] != "OPTIONS"
+    in_api = path == "/v1" or path.startswith("/v1/") or path in _PROTECTED_ROUTES
+    return in_api and scope["method"] != "OPTIONS"
 
 
 def _unauthorized() -> ApiError:

@@ -18,6 +18,7 @@ from typing import Any
 
 from qml_server.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from qml_server.auth import keys_from_env
+from qml_server.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S
 from qml_server.limits import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger("qml.server")
@@ -150,6 +151,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     )
     flag("--max-queued-requests", type=positive_int, default=DEFAULT_MAX_QUEUED_REQUESTS,
          help="requests waiting in the engine at most; past it new ones get 503 with Retry-After")
+    flag("--shutdown-timeout", type=non_negative_float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+         help="on SIGTERM or Ctrl-C, seconds to let requests in flight finish (new ones get 503) "
+              "before cancelling them and exiting")
     flag("--log-level", type=log_level, default="info", help="|".join(LOG_LEVELS))
     # QML_API_KEY is the twin of the repeatable --api-key; kept apart so flags replace it.
     serve.set_defaults(run=serve_command, env_api_keys=keys_from_env(env.get("QML_API_KEY")))
@@ -243,12 +247,12 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"qml serve: {exc}", file=sys.stderr)
         return 1
 
-    import uvicorn
-
     from qml_server.app import create_app
+    from qml_server.lifecycle import serve
 
+    # Started in the background: /health says "loading" while the engine warms up.
     app = create_app(engine, api_keys=api_keys, max_body_bytes=args.max_body_bytes,
-                     max_queued_requests=args.max_queued_requests)
+                     max_queued_requests=args.max_queued_requests, start_in_background=True)
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info(
         "serving %s on http://%s:%d/v1 (API key %s, body limit %d bytes)",
@@ -258,5 +262,5 @@ def serve_command(args: argparse.Namespace) -> int:
         "required" if api_keys else "not required",
         args.max_body_bytes,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on")
-    return 0
+    return serve(app, app.state.lifecycle, host=args.host, port=args.port, log_level=args.log_level,
+                 shutdown_timeout_s=args.shutdown_timeout)

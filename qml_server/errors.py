@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -120,14 +121,32 @@ def queue_full(limit: int, retry_after_s: int) -> ApiError:
     )
 
 
-def internal_error(request_id: str | None = None) -> ApiError:
-    where = f" (request {request_id})" if request_id else ""
+def service_unavailable(message: str, code: str, retry_after_s: int) -> ApiError:
+    """503 + Retry-After for a server that cannot take requests now (loading, draining)."""
+    return ApiError(503, message, type="server_error", code=code, headers={"retry-after": str(retry_after_s)})
+
+
+def new_error_id() -> str:
+    return f"err-{uuid.uuid4().hex[:16]}"
+
+
+def internal_error(error_id: str) -> ApiError:
+    # The id is the only link between what the client sees and the traceback in the log;
+    # the message says nothing else, so no internals leak.
     return ApiError(
         500,
-        f"The server had an error while processing your request{where}; see the server log.",
+        f"The server had an error while processing your request (error id {error_id}); "
+        "the server log has the details under that id.",
         type="server_error",
         code="internal_error",
     )
+
+
+def log_internal_error(what: str, exc: BaseException) -> ApiError:
+    """Log ``exc`` with its traceback under a fresh error id; the 500 to answer with."""
+    error_id = new_error_id()
+    log.error("%s: error id %s", what, error_id, exc_info=exc)
+    return internal_error(error_id)
 
 
 # -- Starlette exception handlers --
@@ -157,8 +176,7 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
     # Last resort for bugs outside the routes (the routes convert their own).
-    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return internal_error().response()
+    return log_internal_error(f"unhandled error on {request.method} {request.url.path}", exc).response()
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -183,8 +201,7 @@ def api_endpoint(endpoint: Endpoint) -> Endpoint:
         except (ClientDisconnect, ClientDisconnected):
             log.info("client disconnected from %s before the answer was ready", request.url.path)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except Exception:
-            log.exception("error while handling %s %s", request.method, request.url.path)
-            return internal_error().response()
+        except Exception as exc:  # noqa: BLE001  (logged with its traceback under an error id)
+            return log_internal_error(f"error while handling {request.method} {request.url.path}", exc).response()
 
     return wrapper

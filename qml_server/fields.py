@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from starlette.requests import Request
@@ -15,6 +16,15 @@ from starlette.requests import Request
 from qml_server.errors import bad_request, invalid_type, missing_field
 
 JsonObject = dict[str, Any]
+
+# Integers are int64 on the wire (OpenAI's seed, and what the engine's tensors hold);
+# a bigger one would overflow far from here, inside the engine.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# An escaped UTF-16 surrogate (\ud800-\udfff). A pair decodes to one character; a lone one
+# decodes to a str that cannot be encoded back to UTF-8, which would fail deep in the
+# tokenizer, or while rendering the error that echoes it.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def read_json_object(request: Request) -> JsonObject:
@@ -29,32 +39,62 @@ async def read_json_object(request: Request) -> JsonObject:
         raise bad_request("The request body is nested too deeply", code="invalid_json") from None
     if not isinstance(value, dict):
         raise bad_request("The request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(body) and not _encodes(value):
+        raise bad_request(
+            "The request body holds an unpaired UTF-16 surrogate escape, which is not a Unicode character",
+            code="invalid_json",
+        )
     return value
+
+
+def _encodes(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed in JSON")
 
 
-def _is_int(value: Any) -> bool:
-    # bool is a subclass of int in Python, but `"max_tokens": true` is a client bug.
-    return isinstance(value, int) and not isinstance(value, bool)
+def as_int(value: Any) -> int | None:
+    """``value`` as an int if it is a JSON integer, else None.
+
+    JSON has one number type, so 5.0 is the integer 5 (as JSON Schema counts it). A bool
+    is not, although Python makes it an int: `"max_tokens": true` is a client bug.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
 
 
 def opt_int(body: JsonObject, name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value):
+    number = as_int(value)
+    if number is None:
         raise invalid_type(name, "an integer", value)
-    return value
+    check_int64(number, name)
+    return number
+
+
+def check_int64(value: int, name: str) -> None:
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise bad_request(f"'{name}' must fit in a signed 64-bit integer, got {value}", param=name)
 
 
 def opt_float(body: JsonObject, name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise invalid_type(name, "a number", value)
     return float(value)
 
@@ -107,10 +147,17 @@ def str_list(value: Any, name: str) -> tuple[str, ...]:
 def int_list(value: Any, name: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, list) and all(_is_int(v) for v in value):
-        return tuple(value)
-    raise invalid_type(name, "a list of integers", value)
+    numbers = [as_int(v) for v in value] if isinstance(value, list) else [None]
+    if any(n is None for n in numbers):
+        raise invalid_type(name, "a list of integers", value)
+    for n in numbers:
+        check_int64(n, name)
+    return tuple(numbers)
 
 
-def is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and len(value) > 0 and all(_is_int(v) for v in value)
+def token_ids(value: Any) -> list[int] | None:
+    """``value`` as a non-empty list of ints, or None if it is not one."""
+    if not isinstance(value, list) or not value:
+        return None
+    ids = [as_int(v) for v in value]
+    return None if any(i is None for i in ids) else ids

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.requests import Request
 
 from qml_runtime.sampling_params import RequestOutput, SamplingParams
-from qml_server.errors import internal_error
+from qml_server.errors import log_internal_error
 from qml_server.sse import SSE_DONE, cancel_on_disconnect, close_quietly, sse_event
 
 log = logging.getLogger("qml.server")
@@ -162,7 +162,6 @@ async def sse_completion_events(
         yield chunk(finish_choice(last.finish_reason or "stop"))
         if include_usage:
             yield sse_event({**head, "choices": [], "usage": usage(last)})
-    except Exception:
-        log.exception("%s: engine failed mid-stream", head["id"])
-        yield sse_event(internal_error(head["id"]).body())
+    except Exception as exc:  # noqa: BLE001  (logged with its traceback under an error id)
+        yield sse_event(log_internal_error(f"{head['id']}: engine failed mid-stream", exc).body())
     yield SSE_DONE

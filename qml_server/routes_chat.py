@@ -20,6 +20,7 @@ from qml_server.generation import (
     start_generation,
     usage,
 )
+from qml_server.prompts import chat_prompt_ids
 from qml_server.schemas import ChatRequest, check_model, parse_chat_request, resolve_max_tokens
 from qml_server.sse import EventStreamResponse
 
@@ -77,13 +78,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 def _render_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:
-    kwargs = {"add_generation_prompt": True, **req.chat_template_kwargs}
-    try:
-        ids = list(tokenizer.apply_chat_template(req.messages, **kwargs))
-    except ValueError as exc:
-        # ChatTemplateError (a ValueError): the conversation does not fit the model's
-        # template, e.g. roles out of the order it insists on. The client's to fix.
-        raise bad_request(f"The chat template rejected the messages: {exc}", param="messages") from None
+    ids = chat_prompt_ids(tokenizer, req.messages, True, req.chat_template_kwargs)
     if not ids:
         raise bad_request("The rendered prompt is empty", param="messages")
     return ids

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from qml_server.errors import api_endpoint, bad_request
+from qml_server.errors import api_endpoint
 from qml_server.fields import read_json_object
 from qml_server.generation import (
     collect,
@@ -20,6 +20,7 @@ from qml_server.generation import (
     start_generation,
     usage,
 )
+from qml_server.prompts import completion_prompt_ids
 from qml_server.schemas import check_model, parse_completion_request, resolve_max_tokens
 from qml_server.sse import EventStreamResponse
 
@@ -30,7 +31,7 @@ async def completions(request: Request) -> Response:
     engine = request.app.state.engine
     req = parse_completion_request(await read_json_object(request))
     check_model(req.model, engine.model_id)
-    prompt_ids = await run_in_threadpool(_prompt_ids, engine.tokenizer, req.prompt)
+    prompt_ids = await run_in_threadpool(completion_prompt_ids, engine.tokenizer, req.prompt)
     max_tokens = resolve_max_tokens(req.sampling.max_tokens, len(prompt_ids), engine.context_length, "prompt")
     params = req.sampling.to_params(max_tokens)
 
@@ -54,22 +55,6 @@ async def completions(request: Request) -> Response:
 
     done = await collect(request, stream)
     return JSONResponse({**head, "choices": [_choice(done.text, done.finish_reason)], "usage": usage(done.last)})
-
-
-def _prompt_ids(tokenizer: Any, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        ids = list(tokenizer.encode(prompt, add_special_tokens=True))
-        if not ids:
-            raise bad_request("The prompt is empty", param="prompt")
-        return ids
-    # Token ids go straight to the embedding lookup; an out-of-range id must be a 400
-    # here, not an index error inside a kernel.
-    vocab_size = getattr(tokenizer, "vocab_size", None)
-    for i, token in enumerate(prompt):
-        if token < 0 or (vocab_size is not None and token >= vocab_size):
-            limit = f" [0, {vocab_size})" if vocab_size is not None else " (non-negative)"
-            raise bad_request(f"prompt[{i}] = {token} is not a valid token id{limit}", param="prompt")
-    return prompt
 
 
 def _choice(text: str, finish_reason: str | None = None) -> dict[str, Any]:

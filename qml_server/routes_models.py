@@ -1,4 +1,4 @@
-"""GET /v1/models, GET /v1/models/{model}, GET /health."""
+"""GET /v1/models, GET /v1/models/{model}."""
 
 from __future__ import annotations
 
@@ -21,12 +21,6 @@ async def retrieve_model(request: Request) -> Response:
     if model != request.app.state.engine.model_id:
         raise model_not_found(model)
     return JSONResponse(_model_card(request))
-
-
-async def health(request: Request) -> Response:
-    # Public and cheap: load balancers poll it. The app only starts accepting
-    # connections once the engine is loaded, so there is no "loading" state to report.
-    return JSONResponse({"status": "ok"})
 
 
 def _model_card(request: Request) -> dict[str, Any]:

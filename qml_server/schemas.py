@@ -1,4 +1,4 @@
-"""The two request bodies we accept, validated into plain dataclasses.
+"""The request bodies we accept, validated into plain dataclasses.
 
 Policy on fields: a field we implement is type-checked; a field we know but do not
 implement is accepted only at its neutral value (``n: 1``, ``logprobs: false``,
@@ -12,8 +12,6 @@ few known fields that cannot change the output (``user``, ``metadata``, ``store`
 from __future__ import annotations
 
 import logging
-
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,7 +20,6 @@ from qml_server.errors import bad_request, context_length_exceeded, invalid_type
 from qml_server.fields import (
     JsonObject,
     int_list,
-    is_token_ids,
     opt_bool,
     opt_float,
     opt_int,
@@ -30,22 +27,43 @@ from qml_server.fields import (
     opt_str,
     required,
     str_list,
+    token_ids,
 )
 
 log = logging.getLogger("qml.server")
 
 # Fields that cannot change what is generated; kept so clients that always send them work.
-_IGNORED = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
+# (`user` is also read: it names the conversation, see generation.start_generation.)
+IGNORED_FIELDS = frozenset(
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
+)
 
 
-def _is(*neutral: Any) -> Callable[[Any], bool]:
-    # Compare with the type too: `True == 1` must not pass for n, nor `0.0 == False`.
-    return lambda v: v is None or any(type(v) is type(n) and v == n for n in neutral)
+@dataclass(frozen=True)
+class Neutral:
+    """The values (besides null) at which a known but unimplemented field changes nothing."""
+
+    values: tuple[Any, ...]
+
+    def __call__(self, value: Any) -> bool:
+        return value is None or any(_same_json(value, n) for n in self.values)
 
 
-# Known, not implemented: field -> (accepts this value?, what to tell the client).
+def _same_json(a: Any, b: Any) -> bool:
+    # Numbers compare as JSON numbers (1.0 is 1), but `True == 1` must not pass for n,
+    # nor `0.0 == False`: other values compare with their type.
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and bool not in (type(a), type(b)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def _is(*neutral: Any) -> Neutral:
+    return Neutral(neutral)
+
+
+# Known, not implemented: field -> (the values it is accepted at, what to tell the client otherwise).
 _NOT_YET = "is not supported yet"
-_UNSUPPORTED_CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
+UNSUPPORTED_CHAT: dict[str, tuple[Neutral, str]] = {
     "n": (_is(1), "must be 1: only one choice per request is supported"),
     "logprobs": (_is(False), _NOT_YET),
     "top_logprobs": (_is(0), _NOT_YET),
@@ -62,25 +80,33 @@ _UNSUPPORTED_CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "web_search_options": (_is(), _NOT_YET),
     "repetition_penalty": (_is(1, 1.0), _NOT_YET + " (only 1)"),
 }
-_UNSUPPORTED_COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": _UNSUPPORTED_CHAT["n"],
+UNSUPPORTED_COMPLETION: dict[str, tuple[Neutral, str]] = {
+    "n": UNSUPPORTED_CHAT["n"],
     "best_of": (_is(1), "must be 1: only one candidate per request is supported"),
     "logprobs": (_is(), _NOT_YET),
     "echo": (_is(False), _NOT_YET),
     "suffix": (_is(""), _NOT_YET),
-    "logit_bias": _UNSUPPORTED_CHAT["logit_bias"],
-    "repetition_penalty": _UNSUPPORTED_CHAT["repetition_penalty"],
+    "logit_bias": UNSUPPORTED_CHAT["logit_bias"],
+    "repetition_penalty": UNSUPPORTED_CHAT["repetition_penalty"],
 }
 
 # cache_salt (as in vLLM): requests with different salts never share cached KV pages
 _GENERAL = {"model", "stream", "stream_options", "presence_penalty", "frequency_penalty", "cache_salt"}
 _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos"}
-_CHAT_FIELDS = _GENERAL | _SAMPLING | {"messages", "max_completion_tokens", "chat_template_kwargs"}
-_COMPLETION_FIELDS = _GENERAL | _SAMPLING | {"prompt"}
+# The fields each body implements (type-checked, used); qml_server.openapi documents each one.
+CHAT_FIELDS = frozenset(_GENERAL | _SAMPLING | {"messages", "max_completion_tokens", "chat_template_kwargs"})
+COMPLETION_FIELDS = frozenset(_GENERAL | _SAMPLING | {"prompt"})
+TOKENIZE_FIELDS = frozenset(
+    {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt", "chat_template_kwargs"}
+)
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-# Message keys a chat template may use besides role/content; passed through untouched.
-_MESSAGE_EXTRAS = ("name", "tool_call_id", "tool_calls", "reasoning_content")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Message keys a chat template may use besides role/content, with the JSON type each must
+# have; passed through to the template, which would otherwise meet types it never expected.
+MESSAGE_EXTRAS = {"name": str, "tool_call_id": str, "tool_calls": list, "reasoning_content": str}
+# Variables the renderer sets itself; a chat_template_kwargs key may not collide with them.
+RESERVED_TEMPLATE_KWARGS = ("messages",)
 
 
 @dataclass(frozen=True)
@@ -126,6 +152,24 @@ class ChatRequest:
 
 
 @dataclass(frozen=True)
+class TokenizeRequest:
+    """Either ``prompt`` (as /v1/completions tokenizes it) or ``messages`` (as chat does)."""
+
+    model: str | None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    model: str | None
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
 class CompletionRequest:
     model: str | None
     prompt: str | list[int]
@@ -137,10 +181,10 @@ class CompletionRequest:
 
 
 def parse_chat_request(body: JsonObject) -> ChatRequest:
-    _check_field_names(body, _CHAT_FIELDS, _UNSUPPORTED_CHAT)
+    _check_field_names(body, CHAT_FIELDS, UNSUPPORTED_CHAT)
     sampling = _parse_sampling(body)
     # max_completion_tokens is the newer name; when both are sent it is the one meant.
-    newer = opt_int(body, "max_completion_tokens")
+    newer = _opt_max_tokens(body, "max_completion_tokens")
     if newer is not None:
         sampling = replace(sampling, max_tokens=newer)
     stream, include_usage = _parse_stream(body)
@@ -151,13 +195,13 @@ def parse_chat_request(body: JsonObject) -> ChatRequest:
         stream=stream,
         include_usage=include_usage,
         user=opt_str(body, "user"),
-        chat_template_kwargs=opt_object(body, "chat_template_kwargs") or {},
+        chat_template_kwargs=_template_kwargs(body),
         cache_salt=opt_str(body, "cache_salt"),
     )
 
 
 def parse_completion_request(body: JsonObject) -> CompletionRequest:
-    _check_field_names(body, _COMPLETION_FIELDS, _UNSUPPORTED_COMPLETION)
+    _check_field_names(body, COMPLETION_FIELDS, UNSUPPORTED_COMPLETION)
     stream, include_usage = _parse_stream(body)
     return CompletionRequest(
         model=opt_str(body, "model"),
@@ -168,6 +212,62 @@ def parse_completion_request(body: JsonObject) -> CompletionRequest:
         user=opt_str(body, "user"),
         cache_salt=opt_str(body, "cache_salt"),
     )
+
+
+_CHAT_ONLY = ("add_generation_prompt", "chat_template_kwargs")
+
+
+def parse_tokenize_request(body: JsonObject) -> TokenizeRequest:
+    _check_field_names(body, TOKENIZE_FIELDS, {})
+    model = opt_str(body, "model")
+    if body.get("messages") is None:
+        for name in _CHAT_ONLY:
+            if body.get(name) is not None:
+                raise bad_request(f"'{name}' is only allowed with 'messages'", param=name)
+        if body.get("prompt") is None:
+            raise bad_request(
+                "Send either 'prompt' (text) or 'messages' (a conversation)",
+                param="prompt",
+                code="missing_required_parameter",
+            )
+        add_special_tokens = opt_bool(body, "add_special_tokens")
+        return TokenizeRequest(
+            model=model,
+            prompt=opt_str(body, "prompt"),
+            add_special_tokens=True if add_special_tokens is None else add_special_tokens,
+        )
+    for name in ("prompt", "add_special_tokens"):
+        if body.get(name) is not None:
+            raise bad_request(f"'{name}' is not allowed with 'messages'; send one or the other", param=name)
+    add_generation_prompt = opt_bool(body, "add_generation_prompt")
+    return TokenizeRequest(
+        model=model,
+        messages=_parse_messages(body["messages"]),
+        add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
+        chat_template_kwargs=_template_kwargs(body),
+    )
+
+
+def parse_detokenize_request(body: JsonObject, vocab_size: int | None) -> DetokenizeRequest:
+    _check_field_names(body, DETOKENIZE_FIELDS, {})
+    value = required(body, "tokens")
+    tokens = [] if value == [] else token_ids(value)
+    if tokens is None:
+        raise invalid_type("tokens", "a list of integers", value)
+    return DetokenizeRequest(model=opt_str(body, "model"), tokens=check_token_ids(tokens, vocab_size, "tokens"))
+
+
+def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> list[int]:
+    """``ids`` if every one is a token of the vocabulary, else a 400 naming the first that is not.
+
+    Ids go straight to an embedding lookup or the tokenizer's Rust side; out of range,
+    they must be refused here rather than fail there.
+    """
+    for i, token in enumerate(ids):
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            limit = f" [0, {vocab_size})" if vocab_size is not None else " (non-negative)"
+            raise bad_request(f"{param}[{i}] = {token} is not a valid token id{limit}", param=param)
+    return ids
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -182,16 +282,16 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, context_length
         if prompt_tokens >= context_length:
             raise context_length_exceeded(prompt_tokens, None, context_length, param)
         return context_length - prompt_tokens
-    if requested < 1:
-        raise bad_request(f"'max_tokens' must be at least 1, got {requested}", param="max_tokens")
     if prompt_tokens + requested > context_length:
         raise context_length_exceeded(prompt_tokens, requested, context_length, param)
     return requested
 
 
-def _check_field_names(body: JsonObject, known: set[str], unsupported: dict[str, tuple[Callable, str]]) -> None:
+def _check_field_names(
+    body: JsonObject, known: frozenset[str], unsupported: dict[str, tuple[Neutral, str]]
+) -> None:
     for name, value in body.items():
-        if name in known or name in _IGNORED:
+        if name in known or name in IGNORED_FIELDS:
             continue
         if name in unsupported:
             accepts, why = unsupported[name]
@@ -212,7 +312,7 @@ def _parse_sampling(body: JsonObject) -> Sampling:
     top_k = opt_int(body, "top_k")
     defaults = Sampling()
     return Sampling(
-        max_tokens=opt_int(body, "max_tokens"),
+        max_tokens=_opt_max_tokens(body, "max_tokens"),
         temperature=_or(opt_float(body, "temperature"), defaults.temperature),
         top_p=_or(opt_float(body, "top_p"), defaults.top_p),
         # -1 is how vLLM clients spell "top-k off"; our SamplingParams spells it 0.
@@ -223,6 +323,15 @@ def _parse_sampling(body: JsonObject) -> Sampling:
         stop_token_ids=int_list(body.get("stop_token_ids"), "stop_token_ids"),
         ignore_eos=bool(opt_bool(body, "ignore_eos")),
     )
+
+
+def _opt_max_tokens(body: JsonObject, name: str) -> int | None:
+    # Checked here, not only when the budget is resolved: a bad max_tokens is refused
+    # even when max_completion_tokens overrides it.
+    value = opt_int(body, name)
+    if value is not None and value < 1:
+        raise bad_request(f"'{name}' must be at least 1, got {value}", param=name)
+    return value
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -246,6 +355,16 @@ def _parse_stream(body: JsonObject) -> tuple[bool, bool]:
     return stream, bool(include_usage)
 
 
+def _template_kwargs(body: JsonObject) -> dict[str, Any]:
+    kwargs = opt_object(body, "chat_template_kwargs") or {}
+    for name in RESERVED_TEMPLATE_KWARGS:
+        if name in kwargs:
+            raise bad_request(
+                f"'chat_template_kwargs' may not set '{name}'", param=f"chat_template_kwargs.{name}"
+            )
+    return kwargs
+
+
 def _parse_messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise invalid_type("messages", "an array of message objects", value)
@@ -260,16 +379,20 @@ def _parse_message(message: Any, where: str) -> dict[str, Any]:
     role = message.get("role")
     if role is None:
         raise missing_field(f"{where}.role")
-    if role not in _ROLES:
-        raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}; got {role!r}", param=f"{where}.role")
+    if role not in ROLES:
+        raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)}; got {role!r}", param=f"{where}.role")
     content = message.get("content")
     # An assistant turn that only called tools has null content.
     if content is None and role != "assistant":
         raise missing_field(f"{where}.content")
     parsed: dict[str, Any] = {"role": role, "content": _content_text(content, f"{where}.content")}
-    for key in _MESSAGE_EXTRAS:
-        if message.get(key) is not None:
-            parsed[key] = message[key]
+    for key, kind in MESSAGE_EXTRAS.items():
+        value = message.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, kind):
+            raise invalid_type(f"{where}.{key}", "a string" if kind is str else "an array", value)
+        parsed[key] = value
     return parsed
 
 
@@ -303,10 +426,15 @@ def _parse_prompt(value: Any) -> str | list[int]:
     """One prompt: a string, a list of token ids, or either wrapped in a one-item list."""
     if isinstance(value, str):
         return value
-    if is_token_ids(value):
-        return list(value)
-    if isinstance(value, list) and len(value) == 1 and (isinstance(value[0], str) or is_token_ids(value[0])):
-        return value[0] if isinstance(value[0], str) else list(value[0])
+    ids = token_ids(value)
+    if ids is not None:
+        return ids
+    if isinstance(value, list) and len(value) == 1:
+        if isinstance(value[0], str):
+            return value[0]
+        ids = token_ids(value[0])
+        if ids is not None:
+            return ids
     if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
         raise bad_request("Only one prompt per request is supported", param="prompt", code="unsupported_parameter")
     raise invalid_type("prompt", "a string, a list of token ids, or a one-item list of either", value)

@@ -41,7 +41,8 @@ def start_tiny_server(*flags: str) -> tuple[subprocess.Popen, str]:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                 return proc, f"{base}/v1"
         except httpx.HTTPError:
-            time.sleep(0.2)
+            pass  # not listening yet
+        time.sleep(0.2)  # not listening, or 503 while the engine starts
     proc.kill()
     pytest.fail("qml serve did not become healthy in 120 s")
 

@@ -11,13 +11,13 @@ import types
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from qml_server import create_app
 from qml_server.admission import DEFAULT_MAX_QUEUED_REQUESTS
 from qml_server.cli import build_parser, main
+from qml_server.lifecycle import GracefulServer
 from tests.fake_engine import KV_BYTES_PER_TOKEN, REPLY, FakeEngine
 
 CHAT = "/v1/chat/completions"
@@ -249,7 +249,7 @@ def test_cli_max_queued_requests_flag_env_twin_and_app(monkeypatch):
     loader.load_engine = lambda *a, **kw: FakeEngine()
     monkeypatch.setitem(sys.modules, "qml_runtime.loader", loader)
     ran = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app))
+    monkeypatch.setattr(GracefulServer, "run", lambda server: ran.update(app=server.config.app))
     assert main(["serve", "--max-queued-requests", "5"], env={}) == 0
     assert ran["app"].state.admission.max_queued == 5
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import socket
 import sys
 import threading
@@ -28,10 +29,13 @@ from qml_runtime.sampling_params import InvalidParameter
 from qml_server import create_app
 from qml_server.auth import ApiKeyMiddleware, tenant_id
 from qml_server.cli import build_parser, main
+from qml_server.lifecycle import GracefulServer
 from tests.fake_engine import BOS, REPLY, FakeEngine
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
 HELLO = [{"role": "user", "content": "Hi"}]
 
 
@@ -72,11 +76,12 @@ def assert_still_serving(client: TestClient) -> None:
 
 
 def test_health_and_lifespan(fake):
-    with TestClient(create_app(fake)) as c:
+    app = create_app(fake)
+    with TestClient(app) as c:
         assert fake.started == 1
         r = c.get("/health")
-        assert r.status_code == 200 and r.json() == {"status": "ok"}
-    assert fake.stopped == 1
+        assert r.status_code == 200 and r.json() == {"status": "ready"}
+    assert fake.stopped == 1 and app.state.lifecycle.state == "stopped"
 
 
 def test_models(client):
@@ -260,6 +265,36 @@ BAD_REQUESTS = [
     ("prompt-type", COMPLETIONS, {"prompt": {"text": "a"}}, 400, TYPE, "prompt"),
     ("token-out-of-vocab", COMPLETIONS, {"prompt": [1, 99999]}, 400, VALUE, "prompt"),
     ("no-prompt", COMPLETIONS, {"max_tokens": 3}, 400, MISSING, "prompt"),
+    ("lone-surrogate", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "invalid_json", None),
+    ("template-kwargs-messages", CHAT, {"messages": HELLO, "chat_template_kwargs": {"messages": []}}, 400, VALUE,
+     "chat_template_kwargs.messages"),
+    ("seed-over-int64", CHAT, {"messages": HELLO, "seed": 2**64}, 400, VALUE, "seed"),
+    ("top-k-over-int64", COMPLETIONS, {"prompt": "x", "top_k": 2**70}, 400, VALUE, "top_k"),
+    ("stop-ids-over-int64", COMPLETIONS, {"prompt": "x", "stop_token_ids": [1, -(2**63) - 1]}, 400, VALUE,
+     "stop_token_ids"),
+    ("max-tokens-fraction", CHAT, {"messages": HELLO, "max_tokens": 2.5}, 400, TYPE, "max_tokens"),
+    ("max-tokens-zero-overridden", CHAT, {"messages": HELLO, "max_tokens": 0, "max_completion_tokens": 5}, 400,
+     VALUE, "max_tokens"),
+    ("message-name-type", CHAT, {"messages": [{"role": "user", "content": "x", "name": 5}]}, 400, TYPE,
+     "messages[0].name"),
+    ("tool-calls-type", CHAT, {"messages": [{"role": "assistant", "content": None, "tool_calls": {}}]}, 400, TYPE,
+     "messages[0].tool_calls"),
+    ("tok-neither", TOKENIZE, {"model": "fake-model"}, 400, MISSING, "prompt"),
+    ("tok-both", TOKENIZE, {"prompt": "a", "messages": HELLO}, 400, VALUE, "prompt"),
+    ("tok-prompt-type", TOKENIZE, {"prompt": [1, 2]}, 400, TYPE, "prompt"),
+    ("tok-chat-only-field", TOKENIZE, {"prompt": "a", "add_generation_prompt": True}, 400, VALUE,
+     "add_generation_prompt"),
+    ("tok-special-with-messages", TOKENIZE, {"messages": HELLO, "add_special_tokens": False}, 400, VALUE,
+     "add_special_tokens"),
+    ("tok-bad-role", TOKENIZE, {"messages": [{"role": "robot", "content": "x"}]}, 400, VALUE, "messages[0].role"),
+    ("tok-template-refuses", TOKENIZE, {"messages": LATE_SYSTEM}, 400, VALUE, "messages"),
+    ("tok-unknown-model", TOKENIZE, {"model": "gpt-4o", "prompt": "a"}, 404, "model_not_found", "model"),
+    ("detok-missing", DETOKENIZE, {}, 400, MISSING, "tokens"),
+    ("detok-type", DETOKENIZE, {"tokens": "abc"}, 400, TYPE, "tokens"),
+    ("detok-nested", DETOKENIZE, {"tokens": [[1]]}, 400, TYPE, "tokens"),
+    ("detok-out-of-vocab", DETOKENIZE, {"tokens": [1, 257]}, 400, VALUE, "tokens"),
+    ("detok-negative", DETOKENIZE, {"tokens": [-1]}, 400, VALUE, "tokens"),
+    ("detok-unknown-model", DETOKENIZE, {"model": "gpt-4o", "tokens": [1]}, 404, "model_not_found", "model"),
 ]  # fmt: skip
 
 
@@ -296,6 +331,126 @@ def test_unknown_route_and_wrong_method(client):
     assert_error(r, 405, "method_not_allowed")
     assert "POST" in r.headers["allow"]
     assert_still_serving(client)
+
+
+def test_integral_numbers_are_integers(client, fake):
+    # JSON has one number type: 3.0 is the integer 3 (as JSON Schema counts it), 1.0 the neutral n
+    r = client.post(CHAT, json={"messages": HELLO, "max_tokens": 3.0, "n": 1.0, "seed": 7.0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY[:3]
+    assert fake.calls[-1].params.seed == 7 and isinstance(fake.calls[-1].params.max_tokens, int)
+    r = client.post(COMPLETIONS, json={"prompt": [72.0, 105], "max_tokens": 2})
+    assert r.status_code == 200 and fake.calls[-1].prompt_ids == [72, 105]
+    assert_error(client.post(CHAT, json={"messages": HELLO, "n": True}), 400, UNSUPPORTED, "n")
+
+
+# --- /tokenize and /detokenize --------------------------------------------------------
+
+
+def test_tokenize_counts_what_generation_counts(client, fake):
+    for path, generate, tokenize in (
+        (COMPLETIONS, {"prompt": "Hello there", "max_tokens": 1}, {"prompt": "Hello there"}),
+        (CHAT, {"messages": HELLO, "max_tokens": 1}, {"messages": HELLO}),
+    ):
+        usage = client.post(path, json=generate).json()["usage"]
+        r = client.post(TOKENIZE, json={"model": "fake-model", **tokenize})
+        assert r.status_code == 200
+        body = r.json()
+        assert body["count"] == len(body["tokens"]) == usage["prompt_tokens"]
+        assert body["tokens"] == fake.calls[-1].prompt_ids and body["max_model_len"] == fake.context_length
+
+
+def test_tokenize_options_and_detokenize_round_trip(client, fake):
+    plain = client.post(TOKENIZE, json={"prompt": "héllo 😀", "add_special_tokens": False}).json()["tokens"]
+    assert plain == fake.tokenizer.encode("héllo 😀", add_special_tokens=False)
+    assert client.post(TOKENIZE, json={"prompt": "héllo 😀"}).json()["tokens"] == [BOS, *plain]
+    assert client.post(DETOKENIZE, json={"tokens": plain}).json() == {"prompt": "héllo 😀"}
+    assert client.post(DETOKENIZE, json={"model": "fake-model", "tokens": []}).json() == {"prompt": ""}
+    with_prompt = client.post(TOKENIZE, json={"messages": HELLO}).json()["count"]
+    without = client.post(TOKENIZE, json={"messages": HELLO, "add_generation_prompt": False}).json()["count"]
+    assert with_prompt == without + len("<assistant>")
+    kwargs = {"messages": HELLO, "chat_template_kwargs": {"enable_thinking": False}}
+    assert client.post(TOKENIZE, json=kwargs).status_code == 200
+    assert fake.tokenizer.last_template_kwargs == {"enable_thinking": False}
+    assert fake.calls == []  # nothing here generates
+    assert_error(client.get(TOKENIZE), 405, "method_not_allowed")
+
+
+def test_token_routes_need_the_key_when_keys_are_set(fake):
+    with TestClient(create_app(fake, api_keys=["sk-test"])) as c:
+        for path, body in ((TOKENIZE, {"prompt": "a"}), (DETOKENIZE, {"tokens": [97]})):
+            assert_error(c.post(path, json=body), 401, "invalid_api_key")
+            assert c.post(path, json=body, headers={"authorization": "Bearer sk-test"}).status_code == 200
+        assert c.get("/openapi.json").status_code == 200  # public, like /health and /metrics
+
+
+def test_tokenize_on_the_real_tokenizer(engine):
+    c = TestClient(create_app(engine))  # no lifespan: the fixture owns the engine's start/shutdown
+    text = "The capital of France is Paris. ünïcödé 😀"
+    body = c.post(TOKENIZE, json={"prompt": text, "add_special_tokens": False}).json()
+    assert body["tokens"] == engine.tokenizer.encode(text, add_special_tokens=False)
+    assert c.post(DETOKENIZE, json={"tokens": body["tokens"]}).json() == {"prompt": text}
+    messages = [{"role": "user", "content": text}]
+    chat = c.post(TOKENIZE, json={"messages": messages}).json()
+    assert chat["tokens"] == engine.tokenizer.apply_chat_template(messages)
+    assert chat["max_model_len"] == engine.context_length
+    vocab = engine.tokenizer.vocab_size
+    assert_error(c.post(DETOKENIZE, json={"tokens": [0, vocab]}), 400, VALUE, "tokens")
+
+
+# --- /openapi.json --------------------------------------------------------------------
+
+
+def test_openapi_describes_every_route_and_field(fake):
+    from jsonschema import Draft202012Validator
+
+    from qml_server.schemas import CHAT_FIELDS, COMPLETION_FIELDS, IGNORED_FIELDS, UNSUPPORTED_CHAT
+
+    app = create_app(fake, api_keys=["sk-test"])
+    with TestClient(app) as c:
+        doc = c.get("/openapi.json").json()
+    assert doc["openapi"].startswith("3.1")
+    served = {(route.path.replace("{model:path}", "{model}"), method.lower())
+              for route in app.routes for method in route.methods if method != "HEAD"}
+    documented = {(path, method) for path, item in doc["paths"].items() for method in item}
+    assert documented == served
+    schemas = doc["components"]["schemas"]
+    for schema in schemas.values():
+        Draft202012Validator.check_schema(schema)
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert set(chat) == CHAT_FIELDS | IGNORED_FIELDS | set(UNSUPPORTED_CHAT)
+    assert set(schemas["CompletionRequest"]["properties"]) >= COMPLETION_FIELDS
+    assert doc["paths"]["/v1/chat/completions"]["post"]["security"] == [{"bearer": []}]
+    assert doc["paths"]["/health"]["get"].get("security") is None
+
+    def valid(name: str, body: object) -> bool:
+        return Draft202012Validator({"$ref": f"#/components/schemas/{name}", **doc}).is_valid(body)
+
+    # the bodies this file sends successfully are valid; the ones refused for their fields are not
+    assert valid("ChatCompletionRequest", {"messages": HELLO, "max_tokens": 9, "n": 1, "stop": ["a"], "seed": 1})
+    assert valid("CompletionRequest", {"prompt": [[1, 2]], "stream": True, "stream_options": {"include_usage": True}})
+    assert valid("TokenizeRequest", {"messages": HELLO, "add_generation_prompt": False})
+    assert valid("DetokenizeRequest", {"tokens": []})
+    field_errors = {"invalid_type", "missing_required_parameter", "unsupported_parameter", "invalid_json"}
+    for case_id, path, body, _, code, _ in BAD_REQUESTS:
+        name = {CHAT: "ChatCompletionRequest", COMPLETIONS: "CompletionRequest", TOKENIZE: "TokenizeRequest",
+                DETOKENIZE: "DetokenizeRequest"}[path]
+        if not isinstance(body, bytes) and (code in field_errors or code == "model_not_found"):
+            assert not valid(name, body), case_id
+
+
+# --- 500s: real faults only, with an error id in the body and the log -----------------
+
+
+def test_internal_error_has_an_id_shared_with_the_log(caplog):
+    fake = FakeEngine(fail_at_start=RuntimeError("CUDA is on fire"))
+    with TestClient(create_app(fake)) as c, caplog.at_level(logging.ERROR, logger="qml.server"):
+        error = assert_error(c.post(CHAT, json={"messages": HELLO}), 500, "internal_error")
+        error_id = re.search(r"error id (err-[0-9a-f]+)", error["message"]).group(1)
+        assert "fire" not in error["message"]
+        records = [r for r in caplog.records if error_id in r.getMessage()]
+        assert len(records) == 1 and "CUDA is on fire" in str(records[0].exc_info[1])
+        fake.fail_at_start = None
+        assert_still_serving(c)
 
 
 def test_body_too_large(fake):
@@ -670,14 +825,17 @@ def test_cli_serve_builds_the_app_and_never_logs_keys(monkeypatch, caplog):
         return FakeEngine(model_id=kwargs["served_model_name"] or "fake")
 
     _fake_loader(monkeypatch, load)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app, **kw))
+    monkeypatch.setattr(GracefulServer, "run", lambda server: ran.update(config=server.config,
+                                                                        timeout=server.shutdown_timeout_s))
     caplog.set_level(logging.INFO, logger="qml.server")
     env = {"QML_API_KEY": "sk-secret-env"}
     assert main(["serve", "--port", "0", "--served-model-name", "smol", "--device", "cpu"], env=env) == 0
     assert loaded == {"model": None, "device": "cpu", "max_model_len": None, "served_model_name": "smol",
-                      "dtype": "auto", "kv_cache_gib": None, "max_num_seqs": 64, "max_batched_tokens": 2048}
-    assert (ran["host"], ran["port"]) == ("127.0.0.1", 0)
-    assert ran["app"].state.auth_enabled and "http://127.0.0.1:0/v1" in caplog.text
+                      "dtype": "auto", "kv_cache_gib": None, "max_num_seqs": 64, "max_batched_tokens": 2048,
+                      "max_tokens_alone": 32768, "cuda_graphs": True}
+    config = ran["config"]
+    assert (config.host, config.port, config.lifespan, ran["timeout"]) == ("127.0.0.1", 0, "on", 30.0)
+    assert config.app.state.auth_enabled and "http://127.0.0.1:0/v1" in caplog.text
     assert "sk-secret-env" not in caplog.text
 
 
