@@ -63,9 +63,32 @@ def test_padded_static_decode_matches_plain_decode(engine):
     padded = _run_concurrently(eng, prompts, params)
     assert calls and max(calls) > 1, "the static-buffer path did not run on batched decode"
     assert any(c not in eng.runner.graphs.buckets for c in calls), "no decode step needed padding"
-    assert any(n not in (8, 16, 40) for n in prefills), "no prefill needed padding"
     for a, b in zip(plain, padded):
         assert a.token_ids == b.token_ids and a.text == b.text
+
+
+def test_padded_single_prompt_prefill_matches_plain(engine):
+    """Prompts one at a time (each alone in its step): those up to the largest bucket go through
+    the padded prefill path, longer ones run eagerly; the tokens match the plain engine's."""
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in ("Hi", "Name a colour.")]
+    prompts.append(prompts[1][:-3])  # a raw prefix: another length
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    outs = {}
+    for graphs in (False, True):
+        eng = _engine(engine, graphs=graphs)
+        seen = []
+        if graphs:
+            prefill = eng.runner.prefill_graphs.run
+            eng.runner.prefill_graphs.run = lambda seq, n: seen.append(n) or prefill(seq, n)
+        eng.start()
+        try:
+            outs[graphs] = [eng.generate_sync(p, greedy).token_ids for p in prompts]
+        finally:
+            eng.shutdown()
+        if graphs:
+            assert seen and any(n not in (8, 16, 40) for n in seen), "no prompt went through a padded bucket"
+    assert outs[True] == outs[False]
 
 
 def test_padded_prefill_over_a_cached_prefix_matches_plain(engine):
