@@ -275,7 +275,8 @@ def section_transformers(args, device) -> None:
         theirs = hf(torch.tensor([prompt + tokens], device=device)).logits[0].float()  # [total, V]
     pre = compare(prefill_logits.float(), theirs[:n_prompt])
     dec = compare(torch.stack(decode_logits).float(), theirs[n_prompt:])
-    record("transformers", preset=args.preset, layers=cfg.num_layers, dtype=str(dtype), prompt_tokens=n_prompt, decode_steps=n_decode,
+    record("transformers", preset=args.preset, layers=cfg.num_layers, dtype=str(dtype), prompt_tokens=n_prompt,
+           decode_steps=n_decode,
            prefill=pre, decode=dec, transformers_version=transformers.__version__)
     print("prefill", pre, "decode", dec, flush=True)
     tol_cos = 0.99 if dtype == torch.bfloat16 else 0.99999

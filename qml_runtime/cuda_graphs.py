@@ -52,6 +52,7 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 # Prompt chunks up to 1024 tokens: beyond that the GPU time of a step exceeds its host time
 # and eager launches are hidden behind it.
+PREFILL_SPLIT_CONTEXT = 32768
 PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
@@ -235,8 +236,12 @@ class PrefillGraphs(_GraphFamily):
 
     def _forward(self, T: int, capturing: bool) -> torch.Tensor:
         if capturing:
-            # host lists that only size the launch: two sequences, T rows, not a fresh prompt
-            cu_host, ctx_host = [0, T - 1, T], [self.max_pages * self.block_size] * 2
+            # host lists that only size the launch: two sequences, T rows, not a fresh prompt, and
+            # the context the attention's split count is chosen for (any count is correct for any
+            # context): 32k, where a turn over a long history needs the splits; replays over short
+            # contexts then run a few empty ones
+            cu_host = [0, T - 1, T]
+            ctx_host = [max(T, min(self.max_pages * self.block_size, PREFILL_SPLIT_CONTEXT))] * 2
         else:
             cu_host, ctx_host = self._eager_host
         meta = AttentionMetadata(

@@ -291,8 +291,9 @@ class Engine:
             t1 = time.perf_counter()
             self.loop_seconds["step"] += t1 - t0
             self.loop_steps += 1
-            if self.tiers is not None and prefill >= 64:
-                # the rate the restore planner weighs copying KV in against
+            if self.tiers is not None and prefill >= 1024:
+                # the rate the restore planner weighs copying KV in against (short chunks over long
+                # contexts would understate what recomputing a whole history costs per token)
                 self.tiers.planner.observe("prefill", prefill, t1 - t0)
             for seq in batch.seqs:
                 self.scheduler.commit(seq)  # before any finishes: its pages are named, then released
@@ -337,16 +338,13 @@ class Engine:
             self._finish(seq, reason, text, [token])
 
     def _finish(self, seq: Sequence, reason: str, text: str, tokens: list[int] | None = None) -> None:
+        pages = []
         if self.tiers is not None and reason in ("stop", "length"):
-            # the conversation so far goes to disk in the background: a later turn, even after a
-            # restart, finds it there
-            pages = []
             for i, page in enumerate(seq.block_table):
                 named = self.blocks.named(page)
                 if named is not None:
                     parent = seq.block_names[i - 1] if 0 < i <= len(seq.block_names) else None
                     pages.append((page, *named, parent))
-            self.tiers.persist(pages)
         if seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, reason)
         if reason != "abort":
@@ -354,6 +352,11 @@ class Engine:
         self._emit(seq, RequestOutput(seq.request_id, text, tokens or [], reason))
         self._seqs.pop(seq.request_id, None)
         self._emitters.pop(seq.request_id, None)
+        if pages:
+            # after the client has its last token: the conversation so far goes to disk in the
+            # background, so a later turn, even after a restart, finds it there. The pages are
+            # gathered on the device now, ahead of any step that could reuse them.
+            self.tiers.persist(pages)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         self.scheduler.finish(seq, "error")

@@ -24,6 +24,25 @@ def test_host_tier_is_lru_and_checks_tokens():
     assert host.find(b"b", (2,)) is None and len(host) == 2
 
 
+def test_held_host_slots_are_not_evicted_and_a_discarded_name_frees_its_slot():
+    host = HostTier(block_bytes=8, budget_bytes=16, pin=False)  # two slots
+    a, _ = host.reserve(b"a", (1,))
+    b, _ = host.reserve(b"b", (2,))
+    assert (a, b) == (0, 1)  # ascending: pages spilled together copy as one run
+    host.hold(a)
+    c, evicted = host.reserve(b"c", (3,))  # a is the oldest, but held: b goes
+    assert [e[0] for e in evicted] == [b"b"] and c == b
+    host.hold(c)
+    assert host.reserve(b"d", (4,)) == (None, [])  # everything held: no room, nothing evicted
+    host.discard(b"a")
+    assert host.find(b"a", (1,)) is None
+    d, evicted = host.reserve(b"d", (4,))
+    assert d == a and evicted == []
+    host.release(c)
+    e, evicted = host.reserve(b"e", (5,))
+    assert [x[0] for x in evicted] == [b"c"] and e == c
+
+
 def test_planner_weighs_copying_against_recomputing():
     planner = RestorePlanner(prefill_tokens_per_s=30_000, host_bytes_per_s=55e9, disk_bytes_per_s=1.46e9)
     block, tokens = 2 * 2**20, 16  # a Llama-3.1-8B page on the H200
@@ -158,3 +177,18 @@ def test_files_written_at_the_end_of_a_request_name_their_parent(engine, tmp_pat
     names = {bytes.fromhex(f.name.removesuffix(".kvb")) for f in files}
     assert eng.tiers.stats.written_disk == len(files)  # each page counted once
     assert bytes(32) in parents and parents - {bytes(32)} <= names  # a chain: the first page has none
+
+
+def test_a_writer_too_far_behind_skips_write_through_and_serving_goes_on(engine, tmp_path, monkeypatch):
+    from qml_runtime.kv import tiers as tiers_module
+
+    monkeypatch.setattr(tiers_module, "MAX_PENDING_WRITE_BYTES", 0)  # always "behind"
+    eng = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    try:
+        ids2, _ = turns(eng)
+        out = eng.generate_sync(ids2, GREEDY)
+        assert out.finish_reason in ("stop", "length")
+        assert eng.tiers.stats.persist_skipped > 0 and eng.tiers.stats.written_disk == 0
+    finally:
+        eng.shutdown()
+    assert not list(tmp_path.rglob("*.kvb"))

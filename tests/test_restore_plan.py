@@ -92,12 +92,13 @@ def expected(engine):
         engine.scheduler.prefix_caching = True
 
 
+@pytest.mark.parametrize("host_bytes", [0, 64 * 2**20], ids=["no-host-tier", "reads-into-host-slots"])
 @pytest.mark.parametrize("rates, kind", [
     ((1e9, 1e6), "recompute"),  # a disk far slower than computing: nothing is read
     ((1.0, 1e12), "restore"),  # computing far slower than the disk: everything is read
     (None, "split"),  # even: the head is computed while the tail streams in
 ])
-def test_after_a_restart_each_plan_gives_the_same_tokens(engine, expected, tmp_path, rates, kind):
+def test_after_a_restart_each_plan_gives_the_same_tokens(engine, expected, tmp_path, rates, kind, host_bytes):
     ids, blocks, tokens = expected
     first = sibling(engine, tmp_path)
     try:
@@ -110,10 +111,14 @@ def test_after_a_restart_each_plan_gives_the_same_tokens(engine, expected, tmp_p
     else:
         planner = RestorePlanner(prefill_tokens_per_s=rates[0], disk_bytes_per_s=rates[1])
     planner.alpha = 0.0  # keep the rates fixed while the engine measures
-    restarted = sibling(engine, tmp_path, planner)
+    restarted = sibling(engine, tmp_path, planner, host_bytes=host_bytes)
     try:
         out = restarted.generate_sync(ids, GREEDY)
         stats = restarted.tiers.stats
+        if host_bytes and kind != "recompute":
+            # what was read from disk stays in host RAM, no longer held
+            host = restarted.tiers.host
+            assert len(host) >= stats.restored_disk > 0 and not host._held
         assert stats.plans[kind] == 1 and sum(stats.plans.values()) == 1
         assert restarted.stats()["kv_restore_plans"][kind] == 1  # what /metrics exports
         assert out.token_ids == tokens

@@ -20,7 +20,10 @@ class HostTier:
         # one allocation: slots are rows; pinning is what makes host<->GPU copies fast and async
         self.slots = torch.empty((self.capacity, block_bytes), dtype=torch.uint8, pin_memory=pin and self.capacity > 0)
         self._lru: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()  # name -> (slot, tokens)
-        self._free = list(range(self.capacity))
+        # reversed: pop() hands out ascending slots, so pages spilled together land in runs that
+        # copy as one
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._held: set[int] = set()  # slots being filled from disk: never evicted until released
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -48,10 +51,26 @@ class HostTier:
             return None, []  # already here
         evicted = []
         if not self._free:
-            old_name, (slot, old_tokens) = self._lru.popitem(last=False)
-            evicted.append((old_name, old_tokens, slot))
+            victim = next((n for n, (s, _) in self._lru.items() if s not in self._held), None)
+            if victim is None:
+                return None, []  # every slot is held by a load in flight
+            slot, old_tokens = self._lru.pop(victim)
+            evicted.append((victim, old_tokens, slot))
             self._free.append(slot)
         slot = self._free.pop()
         self._lru[name] = (slot, tokens)
         return slot, evicted
+
+    def hold(self, slot: int) -> None:
+        self._held.add(slot)
+
+    def release(self, slot: int) -> None:
+        self._held.discard(slot)
+
+    def discard(self, name: bytes) -> None:
+        """Forget ``name`` (its slot's bytes are not what the name says: a failed read)."""
+        entry = self._lru.pop(name, None)
+        if entry is not None:
+            self._held.discard(entry[0])
+            self._free.append(entry[0])
 

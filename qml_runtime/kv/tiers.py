@@ -43,6 +43,9 @@ from qml_runtime.kv.host_tier import HostTier
 log = logging.getLogger("qml.kv.tiers")
 
 MAX_BATCH_PAGES = 512  # pages per gathered copy: bounds the GPU staging buffer (1 GiB at 2 MiB pages)
+MAX_PENDING_WRITE_BYTES = 4 << 30  # gathered pages waiting for the disk writer; past it a persist is skipped
+BOUNCE_PAGES = 64  # the writer's pinned buffer between GPU staging and files (128 MiB at 2 MiB pages)
+LOADER_THREADS = 4  # parallel block reads: an NVMe drive wants several requests in flight
 
 
 @dataclass
@@ -128,6 +131,7 @@ class TierStats:
     spilled_host: int = 0
     written_disk: int = 0
     restore_seconds: float = 0.0
+    persist_skipped: int = 0  # pages not written through because the writer was too far behind
     plans: dict = field(default_factory=lambda: {"restore": 0, "recompute": 0, "split": 0})
 
 
@@ -141,11 +145,17 @@ class PendingLoad:
     names: list[bytes]
     tokens: list[tuple[int, ...]]
     tiers: list[str]
-    future: Future  # -> (pinned rows [n, block_bytes], blocks read before the first miss)
+    dest: list  # per block: a host-tier slot (int) it is read into, a host row tensor, or None (a host block)
+    futures: list[Future]  # each -> {block index: read ok} for its share of the disk blocks
     t0: float
 
+    @property
+    def future(self) -> Future:
+        """A future that is done when the last read is (for waiting on any load)."""
+        return next((f for f in self.futures if not f.done()), self.futures[-1])
+
     def done(self) -> bool:
-        return self.future.done()
+        return all(f.done() for f in self.futures)
 
 
 class KVTiers:
@@ -159,13 +169,16 @@ class KVTiers:
         self._copy_stream = torch.cuda.Stream(kv.data.device) if self._cuda else None
         self._pending: list[tuple[int, int]] = []  # (page, host slot) spilled, not yet copied down
         self._host_events: list = []  # copies into host slots that may still be running
+        self._slot_events: dict[int, object] = {}  # host slot -> the copy filling it (may still run)
+        self._pending_write_bytes = 0
+        self._bounce = None  # the writer's pinned buffer, allocated once
         self._timing: list = []  # (start, end events, bytes) of uploads, observed once done
         self._writes: queue.Queue = queue.Queue()
         self._writer = self._loader = None
         if disk is not None:
             self._writer = threading.Thread(target=self._write_loop, name="qml-kv-writer", daemon=True)
             self._writer.start()
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="qml-kv-loader")
+            self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="qml-kv-loader")
 
     # --- down -------------------------------------------------------------------------
 
@@ -173,18 +186,23 @@ class KVTiers:
         """A cached GPU page is about to be reused: keep its content in host RAM (or on disk).
         The copy happens at the next ``flush_spills``, before the step that reuses the page."""
         if self.host is not None and self.host.capacity > 0:
-            slot, evicted = self.host.reserve(name, tokens)
-            if evicted:
-                self._settle()  # the evicted slots' bytes must have landed before the CPU reads them
-                for old_name, old_tokens, old_slot in evicted:
-                    # a copy: the slot is about to take the new page
-                    self._queue_disk_write(old_name, old_tokens, self.host.slots[old_slot].clone(), None, None)
+            slot = self._reserve_host(name, tokens)
             if slot is not None:
                 self._pending.append((page, slot))
                 self.stats.spilled_host += 1
             return
         if self.disk is not None and not self.disk.contains(name):
-            self._download([page], [(name, tokens, None)])
+            self._write_through([page], [(name, tokens, None)])
+
+    def _reserve_host(self, name: bytes, tokens: tuple[int, ...]) -> int | None:
+        """A host slot for ``name``; what it evicts goes to disk first."""
+        slot, evicted = self.host.reserve(name, tokens)
+        if evicted:
+            self._settle()  # the evicted slots' bytes must have landed before the CPU reads them
+            for old_name, old_tokens, old_slot in evicted:
+                # a copy: the slot is about to take the new page
+                self._queue_disk_write(old_name, old_tokens, self.host.slots[old_slot].clone(), None, None)
+        return slot
 
     def flush_spills(self) -> None:
         """Copy the pages spilled since the last call down to their host slots: gathered on the
@@ -196,7 +214,14 @@ class KVTiers:
             with self._side():
                 for i, s, n in runs:
                     self.host.slots[s:s + n].copy_(staging[i:i + n], non_blocking=self._cuda)
-            self._host_events.append(self._done(staging))
+            done = self._done(staging)
+            if done is not None:
+                if len(self._host_events) > 64:  # forget copies that have finished
+                    self._host_events = [e for e in self._host_events if not e.query()]
+                    self._slot_events = {s: e for s, e in self._slot_events.items() if not e.query()}
+                self._host_events.append(done)
+                for _, s in batch:
+                    self._slot_events[s] = done
 
     def persist(self, pages: list[tuple[int, bytes, tuple[int, ...], bytes | None]]) -> None:
         """Write a finished request's named pages (page, name, tokens, parent name) through to disk,
@@ -206,17 +231,24 @@ class KVTiers:
         todo = [(p, n, t, parent) for p, n, t, parent in pages if not self.disk.contains(n)]
         for i in range(0, len(todo), MAX_BATCH_PAGES):
             chunk = todo[i:i + MAX_BATCH_PAGES]
-            self._download([p for p, _, _, _ in chunk], [(n, t, parent) for _, n, t, parent in chunk])
+            if self._pending_write_bytes + len(chunk) * self.block_bytes > MAX_PENDING_WRITE_BYTES:
+                # the disk is behind: a cache may drop what it cannot keep up with
+                self.stats.persist_skipped += len(todo) - i
+                log.warning("disk writer behind by %.1f GiB: %d pages not written through",
+                            self._pending_write_bytes / 2**30, len(todo) - i)
+                return
+            self._write_through([p for p, _, _, _ in chunk], [(n, t, parent) for _, n, t, parent in chunk])
 
-    def _download(self, pages: list[int], blocks: list[tuple[bytes, tuple[int, ...], bytes | None]]) -> None:
-        """Gather pages into a pinned host buffer on the side stream; the writer waits for it."""
+    def _write_through(self, pages: list[int], blocks: list[tuple[bytes, tuple[int, ...], bytes | None]]) -> None:
+        """Gather pages on the device now (they may be reused by the next step) and hand the buffer
+        to the writer, which copies it down and writes the files: the engine thread only launches."""
         staging = self._gather(pages)
-        host = torch.empty(staging.shape, dtype=torch.uint8, pin_memory=self._cuda)
-        with self._side():
-            host.copy_(staging, non_blocking=self._cuda)
-        done = self._done(staging)
-        for i, (name, tokens, parent) in enumerate(blocks):
-            self._queue_disk_write(name, tokens, host[i], parent, done)
+        ready = None
+        if self._cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._pending_write_bytes += staging.numel()
+        self._writes.put(("pages", staging, ready, blocks))
 
     def _gather(self, pages: list[int]) -> torch.Tensor:
         self._observe_uploads()
@@ -245,26 +277,61 @@ class KVTiers:
         for event in self._host_events:
             event.synchronize()
         self._host_events.clear()
+        self._slot_events.clear()
 
     def _queue_disk_write(self, name: bytes, tokens: tuple[int, ...], data: torch.Tensor,
                           parent: bytes | None, ready) -> None:
         """``data`` is a host tensor the writer owns from now on (valid once ``ready`` has passed);
         ``parent`` the previous page's name where the caller knows it."""
         if self.disk is not None and not self.disk.contains(name):
-            self._writes.put((name, tokens, data, parent, ready))
+            self._writes.put(("block", name, tokens, data, parent, ready))
 
     def _write_loop(self) -> None:
         while True:
             item = self._writes.get()
             if item is None:
                 return
-            name, tokens, data, parent, ready = item
+            try:
+                if item[0] == "block":
+                    _, name, tokens, data, parent, ready = item
+                    if ready is not None:
+                        ready.synchronize()
+                    self._write_one(name, tokens, data, parent)
+                else:
+                    self._write_pages(*item[1:])
+            except Exception:  # a write is a cache fill: log it, never stop the writer
+                log.exception("disk tier: a background write failed")
+            finally:
+                self._writes.task_done()
+
+    def _write_one(self, name: bytes, tokens: tuple[int, ...], data: torch.Tensor, parent: bytes | None) -> None:
+        # queued twice before the first landed: one write is enough (and counts once)
+        if not self.disk.contains(name) and self.disk.put(name, parent, list(tokens), data):
+            self.stats.written_disk += 1  # put never raises: a failed write is a later miss
+
+    def _write_pages(self, staging: torch.Tensor, ready, blocks: list) -> None:
+        """Writer thread: copy gathered pages down through a pinned bounce buffer, then to files."""
+        try:
             if ready is not None:
                 ready.synchronize()
-            # queued twice before the first landed: one write is enough (and counts once)
-            if not self.disk.contains(name) and self.disk.put(name, parent, list(tokens), data):
-                self.stats.written_disk += 1  # put never raises: a failed write is a later miss
-            self._writes.task_done()
+            if not staging.is_cuda:
+                for i, (name, tokens, parent) in enumerate(blocks):
+                    self._write_one(name, tokens, staging[i], parent)
+                return
+            if self._bounce is None:
+                self._bounce = torch.empty((BOUNCE_PAGES, self.block_bytes), dtype=torch.uint8, pin_memory=True)
+                self._write_stream = torch.cuda.Stream(staging.device)  # not behind the compute stream's work
+            for i in range(0, len(blocks), BOUNCE_PAGES):
+                n = min(BOUNCE_PAGES, len(blocks) - i)
+                with torch.cuda.stream(self._write_stream):
+                    self._bounce[:n].copy_(staging[i:i + n], non_blocking=True)
+                self._write_stream.synchronize()  # the buffer is reused next round
+                for j in range(n):
+                    name, tokens, parent = blocks[i + j]
+                    self._write_one(name, tokens, self._bounce[j], parent)
+        finally:
+            self._pending_write_bytes -= staging.numel()
+            del staging
 
     def flush(self) -> None:
         """Wait for queued disk writes (shutdown, tests)."""
@@ -320,49 +387,86 @@ class KVTiers:
 
     def start_load(self, blocks: list[tuple[str, bytes, tuple[int, ...]]], pages: list[int], start: int,
                    end: int) -> PendingLoad:
-        """Stream blocks (tier, name, tokens) in on the loader thread: disk blocks are read into a
-        pinned buffer there; host blocks are copied from their slots when the load is applied."""
+        """Stream blocks (tier, name, tokens) in: disk blocks are read by loader threads into host-tier
+        slots held for them (pinned memory, and the blocks stay in host RAM afterwards), or into
+        plain host rows when there is no host tier; host blocks are copied from their slots when the
+        load is applied."""
         tiers = [t for t, _, _ in blocks]
         names = [n for _, n, _ in blocks]
         tokens = [t for _, _, t in blocks]
-        if self.disk is None or "disk" not in tiers:
-            future: Future = Future()
-            future.set_result((None, len(blocks)))
-        else:
-            future = self._loader.submit(self._read_disk, tiers, names, tokens)
-        return PendingLoad(start, end, pages, names, tokens, tiers, future, time.perf_counter())
+        dest: list = [None] * len(blocks)
+        reads = []
+        for i, tier in enumerate(tiers):
+            if tier != "disk" or self.disk is None:
+                continue
+            slot = None
+            if self.host is not None and self.host.capacity > 0:
+                if self.host.find(names[i], tokens[i]) is not None:
+                    tiers[i] = "host"  # it came up to host RAM since the plan
+                    continue
+                slot = self._reserve_host(names[i], tokens[i])
+            if slot is not None:
+                self.host.hold(slot)
+                dest[i] = slot
+            else:
+                dest[i] = torch.empty(self.block_bytes, dtype=torch.uint8)
+            reads.append(i)
+        futures = []
+        share = -(-len(reads) // LOADER_THREADS) if reads else 0
+        for k in range(0, len(reads), max(share, 1)):
+            part = [(i, names[i], tokens[i], dest[i]) for i in reads[k:k + share]]
+            futures.append(self._loader.submit(self._read_disk, part))
+        if not futures:
+            done: Future = Future()
+            done.set_result({})
+            futures = [done]
+        return PendingLoad(start, end, pages, names, tokens, tiers, dest, futures, time.perf_counter())
 
-    def _read_disk(self, tiers, names, tokens) -> tuple[torch.Tensor, int]:
-        rows = torch.empty((len(names), self.block_bytes), dtype=torch.uint8, pin_memory=self._cuda)
-        t0, read = time.perf_counter(), 0
-        for i, (tier, name, toks) in enumerate(zip(tiers, names, tokens)):
-            if tier == "disk":
-                if not self.disk.get_into(name, list(toks), rows[i]):
-                    return rows, i
-                read += 1
+    def _read_disk(self, part: list) -> dict[int, bool]:
+        """Loader thread: read blocks in order into their destinations; stops at the first miss."""
+        ok, t0 = {}, time.perf_counter()
+        for i, name, toks, dest in part:
+            out = self.host.slots[dest] if isinstance(dest, int) else dest
+            ok[i] = self.disk.get_into(name, list(toks), out)
+            if not ok[i]:
+                break
+        read = sum(ok.values())
         if read:
-            self.planner.observe("disk", read * self.block_bytes, time.perf_counter() - t0)
-        return rows, len(names)
+            self.planner.observe("disk", read * self.block_bytes * LOADER_THREADS, time.perf_counter() - t0)
+        return ok
 
     def apply_load(self, load: PendingLoad) -> int:
-        """Copy a finished load's blocks into its pages; returns how many leading blocks landed."""
-        rows, ok = load.future.result()
-        sources = []
-        for i in range(ok):
-            if load.tiers[i] == "host":
+        """Copy a finished load's blocks into its pages; returns how many leading blocks landed.
+        Blocks read into host slots stay there (released for eviction); failed reads are forgotten."""
+        ok: dict[int, bool] = {}
+        for f in load.futures:
+            ok.update(f.result())
+        landed, sources = len(load.names), []
+        for i, tier in enumerate(load.tiers):
+            dest = load.dest[i]
+            if tier == "disk" and dest is not None:
+                if isinstance(dest, int):
+                    self.host.release(dest)
+                    if not ok.get(i, False):
+                        self.host.discard(load.names[i])  # its slot holds a partial or no read
+                if not ok.get(i, False):
+                    landed = min(landed, i)
+                if i < landed:
+                    sources.append((self.host.slots, i, dest, 1) if isinstance(dest, int)
+                                   else (dest.view(1, -1), i, 0, 1))
+            elif i < landed:  # a host block: still there?
                 slot = self.host.find(load.names[i], load.tokens[i]) if self.host is not None else None
                 if slot is None:
-                    ok = i
-                    break
-                sources.append((self.host.slots, i, slot, 1))
-            else:
-                sources.append((rows, i, i, 1))
-        if ok:
-            self._upload(load.pages[:ok], sources)
-            self.stats.restored_disk += sum(1 for t in load.tiers[:ok] if t == "disk")
-            self.stats.restored_host += sum(1 for t in load.tiers[:ok] if t == "host")
+                    landed = i
+                else:
+                    sources.append((self.host.slots, i, slot, 1))
+        sources = [src for src in sources if src[1] < landed]
+        if landed:
+            self._upload(load.pages[:landed], sources)
+            self.stats.restored_disk += sum(1 for t in load.tiers[:landed] if t == "disk")
+            self.stats.restored_host += sum(1 for t in load.tiers[:landed] if t == "host")
         self.stats.restore_seconds += time.perf_counter() - load.t0
-        return ok
+        return landed
 
     def _upload(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]]) -> None:
         """Copy host rows into GPU pages on the compute stream: ``sources`` are (host tensor of rows,
@@ -370,7 +474,16 @@ class KVTiers:
         self.flush_spills()  # a page spilled earlier must be copied out before it is overwritten
         dev = self.kv.data.device
         if self._cuda:
-            for event in self._host_events:  # host slots being filled must be complete before reading them
+            # only the copies filling the slots read here must be complete (the GPU waits, not the
+            # host): copies of other slots, down, overlap these, up
+            waits = {}
+            for src, _, s, n in sources:
+                if self.host is not None and src is self.host.slots:
+                    for slot in range(s, s + n):
+                        event = self._slot_events.get(slot)
+                        if event is not None:
+                            waits[id(event)] = event
+            for event in waits.values():
                 torch.cuda.current_stream(dev).wait_event(event)
             start = torch.cuda.Event(enable_timing=True)
             start.record()
