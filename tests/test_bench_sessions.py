@@ -95,7 +95,13 @@ def test_sessions_evict_phase_pushes_history_to_disk(tmp_path, capsys):
         stop_server(proc)
     assert [e["before_turn"] for e in result["evictions"]] == [2] and result["evictions"][0]["tokens"] == 3000
     second = [r for r in result["turns"] if r["turn"] == 2]
-    assert all(r["cached_tokens"] > 0 and r["restored_blocks"]["disk"] > 0 and "disk" in r["where"] for r in second)
+    # every history was found on disk; the restore plan may read it back or, where its measured
+    # rates say computing is faster (a 3-layer model on a busy CPU), recompute it
+    for r in second:
+        if r["where"] == "recomputed":
+            assert r["recomputed_disk_blocks"] > 0 and r["cached_tokens"] == 0
+        else:
+            assert r["cached_tokens"] > 0 and r["restored_blocks"]["disk"] > 0 and "disk" in r["where"]
     assert len(state["conversations"]) == 2
 
 
