@@ -37,14 +37,27 @@ class LlamaLayer(nn.Module):
         self.w_gate_up = _param(2 * cfg.intermediate_size, D, device=device, dtype=dtype)
         self.w_down = _param(D, cfg.intermediate_size, device=device, dtype=dtype)
 
+    def split_qkv(self, qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection [T, (H + 2Hkv) Dh] -> q [T, H, Dh], k, v [T, Hkv, Dh] (views of it)."""
+        T, H, Hkv, Dh = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+        return q.view(T, H, Dh), k.view(T, Hkv, Dh), v.view(T, Hkv, Dh)
+
+    def mlp(self, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        """x: [T, D] -> [T, D]."""
+        return linear(swiglu(linear(x, self.w_gate_up)), self.w_down)
+
 
 class LlamaModel(nn.Module):
+    """The decoder loop shared by the Llama family and the models that differ from it only inside
+    a layer (qwen3.py: per-head q/k norms, experts): they give their own layers."""
+
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
         D, V = cfg.hidden_size, cfg.vocab_size
         self.embed = _param(V, D, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, device, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i, device, dtype) for i in range(cfg.num_layers))
         self.norm = _param(D, device=device, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param(V, D, device=device, dtype=dtype)
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -57,6 +70,9 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_freq_divisors", torch.ones(cfg.rotary_dim // 2, device=device), persistent=False)
         self._inv_freq: tuple[torch.Tensor, float] | None = None
 
+    def make_layer(self, cfg: ModelConfig, index: int, device, dtype) -> nn.Module:
+        return LlamaLayer(cfg, device, dtype)
+
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq is None:
             inv_freq, scale = rope_inv_freq(self.cfg.rotary_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
@@ -68,7 +84,7 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T] -> final-normed hidden states [T, D]."""
         cfg = self.cfg
         T = input_ids.shape[0]
-        H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        H, Dh = cfg.num_heads, cfg.head_dim
         cos, sin = self.rope_tables(positions)  # [T, R/2]
         scale = Dh**-0.5
         h = self.embed[input_ids]  # [T, D]
@@ -78,16 +94,15 @@ class LlamaModel(nn.Module):
                 x, residual = rmsnorm(h, layer.attn_norm, cfg.rms_eps), h
             else:
                 x, residual = add_rmsnorm(h, residual, layer.attn_norm, cfg.rms_eps)
-            qkv = linear(x, layer.wqkv)  # [T, (H + 2Hkv) Dh]
-            q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
-            q, k, v = q.view(T, H, Dh), k.view(T, Hkv, Dh), v.view(T, Hkv, Dh)
+            q, k, v = layer.split_qkv(linear(x, layer.wqkv), cfg)  # [T, H, Dh], [T, Hkv, Dh] x 2
             k_cache, v_cache = kv.layer(i)
-            # one launch: q rotates in place inside the fused qkv buffer, rotated k and v go to their cache slots
+            # one launch: q rotates in place (inside the fused qkv buffer for Llama), rotated k and v
+            # go to their cache slots
             rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, cfg.rope_interleaved, out=q)
             o = paged_attention(q, k_cache, v_cache, meta, scale)  # [T, H, Dh]
             h = linear(o.reshape(T, H * Dh), layer.wo)  # [T, D]
             x, residual = add_rmsnorm(h, residual, layer.mlp_norm, cfg.rms_eps)
-            h = linear(swiglu(linear(x, layer.w_gate_up)), layer.w_down)  # [T, D]
+            h = layer.mlp(x, cfg)  # [T, D]
         out, _ = add_rmsnorm(h, residual, self.norm, cfg.rms_eps)
         return out
 

@@ -22,22 +22,17 @@ import re
 import torch
 from torch import nn
 
-from qml_kernels.activations import swiglu
-from qml_kernels.attention import AttentionMetadata, paged_attention
 from qml_kernels.linear import linear
 from qml_kernels.moe_gemm import moe_forward
-from qml_kernels.rmsnorm import add_rmsnorm, rmsnorm
-from qml_kernels.rope import rope_cos_sin, rope_inv_freq
-from qml_kernels.rope_kv_write import rope_kv_write
+from qml_kernels.rmsnorm import rmsnorm
 from qml_runtime.config import ModelConfig
-from qml_runtime.kv.cache import KVCache
 from qml_runtime.models import llama
 from qml_runtime.models.llama import _param
 
 
-class Qwen3Layer(nn.Module):
+class Qwen3Layer(llama.LlamaLayer):
     def __init__(self, cfg: ModelConfig, sparse: bool, device, dtype):
-        super().__init__()
+        nn.Module.__init__(self)
         D, Dh = cfg.hidden_size, cfg.head_dim
         qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * Dh
         self.sparse = sparse
@@ -56,74 +51,33 @@ class Qwen3Layer(nn.Module):
             self.w_gate_up = _param(2 * cfg.intermediate_size, D, device=device, dtype=dtype)
             self.w_down = _param(D, cfg.intermediate_size, device=device, dtype=dtype)
 
+    def split_qkv(self, qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().split_qkv(qkv, cfg)
+        T, H, Hkv, Dh = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # each (token, head) row of q and k is normalised on its own: [T·H, Dh] rows
+        q = rmsnorm(q.reshape(T * H, Dh), self.q_norm, cfg.rms_eps).view(T, H, Dh)
+        k = rmsnorm(k.reshape(T * Hkv, Dh), self.k_norm, cfg.rms_eps).view(T, Hkv, Dh)
+        return q, k, v
+
     def mlp(self, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
         if self.sparse:
             router_logits = linear(x, self.router)  # [T, E]
             return moe_forward(x, router_logits, self.experts_gate_up, self.experts_down,
                                cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        return linear(swiglu(linear(x, self.w_gate_up)), self.w_down)
+        return super().mlp(x, cfg)
 
 
-class Qwen3Model(nn.Module):
+class Qwen3Model(llama.LlamaModel):
+    """Llama's decoder loop over Qwen3 layers (``split_qkv`` adds the q/k norms, ``mlp`` the experts)."""
+
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
-        super().__init__()
-        self.cfg = cfg
-        D, V = cfg.hidden_size, cfg.vocab_size
-        sparse = set(cfg.moe_layers)
-        self.embed = _param(V, D, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(Qwen3Layer(cfg, i in sparse, device, dtype) for i in range(cfg.num_layers))
-        self.norm = _param(D, device=device, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(V, D, device=device, dtype=dtype)
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        I, Ie = cfg.intermediate_size, cfg.moe_intermediate_size
-        self.shards = {
-            "wqkv": {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)},
-            "w_gate_up": {"gate": slice(0, I), "up": slice(I, 2 * I)},
-            "experts_gate_up": {"gate": slice(0, Ie), "up": slice(Ie, 2 * Ie)},  # rows of each expert
-        }
-        self._inv_freq: tuple[torch.Tensor, float] | None = None
+        super().__init__(cfg, device, dtype)
+        Ie = cfg.moe_intermediate_size
+        self.shards["experts_gate_up"] = {"gate": slice(0, Ie), "up": slice(Ie, 2 * Ie)}  # rows of each expert
 
-    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq is None:
-            inv_freq, scale = rope_inv_freq(self.cfg.rotary_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
-            self._inv_freq = (inv_freq.to(positions.device), scale)
-        return rope_cos_sin(positions, *self._inv_freq)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> final-normed hidden states [T, D]."""
-        cfg = self.cfg
-        T = input_ids.shape[0]
-        H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos, sin = self.rope_tables(positions)  # [T, R/2]
-        scale = Dh**-0.5
-        h = self.embed[input_ids]  # [T, D]
-        residual = None
-        for i, layer in enumerate(self.layers):
-            if residual is None:
-                x, residual = rmsnorm(h, layer.attn_norm, cfg.rms_eps), h
-            else:
-                x, residual = add_rmsnorm(h, residual, layer.attn_norm, cfg.rms_eps)
-            qkv = linear(x, layer.wqkv)  # [T, (H + 2Hkv) Dh]
-            q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
-            # each (token, head) row of q and k is normalised on its own: [T·H, Dh] rows
-            q = rmsnorm(q.reshape(T * H, Dh), layer.q_norm, cfg.rms_eps).view(T, H, Dh)
-            k = rmsnorm(k.reshape(T * Hkv, Dh), layer.k_norm, cfg.rms_eps).view(T, Hkv, Dh)
-            k_cache, v_cache = kv.layer(i)
-            rope_kv_write(q, k, v.view(T, Hkv, Dh), cos, sin, k_cache, v_cache, meta.slot_mapping,
-                          cfg.rope_interleaved, out=q)
-            o = paged_attention(q, k_cache, v_cache, meta, scale)  # [T, H, Dh]
-            h = linear(o.reshape(T, H * Dh), layer.wo)  # [T, D]
-            x, residual = add_rmsnorm(h, residual, layer.mlp_norm, cfg.rms_eps)
-            h = layer.mlp(x, cfg)  # [T, D]
-        out, _ = add_rmsnorm(h, residual, self.norm, cfg.rms_eps)
-        return out
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, D] -> logits [B, V] in fp32."""
-        head = self.embed if self.lm_head is None else self.lm_head
-        return linear(hidden, head).float()
+    def make_layer(self, cfg: ModelConfig, index: int, device, dtype) -> nn.Module:
+        return Qwen3Layer(cfg, index in set(cfg.moe_layers), device, dtype)
 
 
 # --- checkpoint formats ---------------------------------------------------------------
