@@ -1,11 +1,12 @@
 """Prefill attention through cuDNN (torch's SDPA cuDNN backend), for the batches it covers.
 
-cuDNN's fused attention reaches ~580-600 TFLOP/s on the H200 on long prompts where our
-Triton kernel reaches ~300-350 (benchmarks/results/engine-h200-2026-11-30.md: 1.12 vs 2.18 ms
-per layer at 8,892 tokens, 9.98 vs 16.9 ms at 26,926), so a long fresh prompt (no cached
-context: every query row's sequence has ``n_q == L``) goes to it. Below ~4k tokens a call
-costs a fixed ~0.3 ms (0.31-0.34 ms from 133 to 2,340 tokens, where Triton takes 0.08-0.20),
-so short prompts stay with Triton (``CUDNN_MIN_TOKENS``). What
+cuDNN's fused attention reaches ~580-610 TFLOP/s on the H200 on long prompts where our
+Triton kernel reaches ~320-350 (benchmarks/results/engine-h200-llama-3.1-8b-2026-11-30.md,
+Llama-3.1-8B heads: 1.11 vs 2.00 ms per layer at 8,892 tokens, 9.67 vs 16.98 ms at 26,926), so
+a long fresh prompt (no cached context: every query row's sequence has ``n_q == L``) goes to
+it. Below ~4k tokens a call costs a fixed ~0.2 ms (0.19-0.21 ms from 133 to 2,340 tokens, where
+Triton takes 0.05-0.20; an earlier run the same day measured ~0.3 ms), so short prompts stay
+with Triton (``CUDNN_MIN_TOKENS``). What
 torch's SDPA API cannot express stays with the Triton kernel: queries over cached pages
 (chunked prefill, prefix hits, decode rows), sliding windows, sinks and soft-capping.
 
