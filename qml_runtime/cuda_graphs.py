@@ -23,7 +23,9 @@ count comes from the longest possible context, and the host lists say "not a fre
 so the Triton attention (whose grid needs only T and B) is captured rather than cuDNN.
 
 The logits head and the sampler run inside the graph (sampling parameters are static
-buffers too), so a step costs one replay and one copy of the tokens back.
+buffers too), so a step costs one replay and one copy of the tokens back. A step with a
+request that needs more (logit bias, penalties, min_tokens, logprobs) drops the graph's
+tokens and samples its logits (``last_logits``) again outside it (qml_runtime.runner).
 
 All graphs share one memory pool and are captured largest first, so smaller ones reuse its
 blocks. With ``capture=False`` the same padded static-buffer path runs eagerly: that is how
@@ -93,7 +95,9 @@ class _GraphFamily:
         self.capture_enabled = capture
         self.pool = pool
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        self.last_logits: torch.Tensor | None = None  # the last step's logits (for checks)
+        # the last step's logits [bucket, V]: sampled again outside the graph when a row of the
+        # step needs logits processing or logprobs (qml_runtime.runner)
+        self.last_logits: torch.Tensor | None = None
         self.pinned = device.type == "cuda"
 
     def bucket(self, size: int) -> int:

@@ -5,6 +5,11 @@ Requests enter through ``generate`` (async, for the server) or ``generate_sync``
 takes new requests and aborts from an inbox, schedules one batch, runs it, and
 hands each request its new text through a callback. Model errors fail the
 requests of that batch, never the loop.
+
+Several choices for one prompt (OpenAI's ``n``) are several requests, the later ones
+submitted with ``follow=`` the first: they wait outside the scheduler until the first
+has its prompt in the cache, then are admitted onto its pages through the prefix cache,
+computing only the prompt's last partial page.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from qml_runtime.kv.disk_store import DiskStore
 from qml_runtime.kv.host_tier import HostTier
 from qml_runtime.kv.tiers import KVTiers
 from qml_runtime.runner import ModelRunner
-from qml_runtime.sampling_params import InvalidParameter, RequestOutput, SamplingParams
+from qml_runtime.sampling_params import InvalidParameter, RequestOutput, SamplingParams, TokenLogprob
 from qml_runtime.scheduler import Scheduler
 from qml_runtime.sequence import Sequence, Status
 
@@ -45,6 +50,7 @@ Emit = Callable[[RequestOutput | BaseException], None]
 class _Add:
     seq: Sequence
     emit: Emit
+    follow: str | None = None  # a request whose prompt this one shares: admitted once that one's is cached
 
 
 @dataclass
@@ -76,12 +82,13 @@ class Engine:
             graphs["prefill_graphs"] = PrefillGraphs(model, self.kv, device, self.context_length, pool=pool)
             graphs["decode_graphs"] = DecodeGraphs(model, self.kv, device, scheduler.max_num_seqs,
                                                    self.context_length, pool=pool)
-        self.runner = ModelRunner(model, self.kv, device, **graphs)
+        self.runner = ModelRunner(model, self.kv, device, stop_ids=frozenset(tokenizer.eos_token_ids), **graphs)
         self._info = dict(info or {})
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._emitters: dict[str, Emit] = {}
         self._seqs: dict[str, Sequence] = {}
+        self._followers: dict[str, list[Sequence]] = {}  # leader's request id -> requests parked behind it
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._observe_queue_time: Callable[[float], None] | None = None
@@ -181,6 +188,9 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
             raise InvalidParameter("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidParameter("logit_bias", f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         need = len(prompt_ids) + params.max_tokens
         if need > self.context_length:
             raise InvalidParameter("max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens "
@@ -192,16 +202,19 @@ class Engine:
         return Sequence(request_id, prompt_ids, params, detok, seed, salt, retain=session is not None)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Emit,
-               request_id: str | None = None, tenant: str | None = None, session: str | None = None) -> str:
+               request_id: str | None = None, tenant: str | None = None, session: str | None = None,
+               follow: str | None = None) -> str:
         """Queue a request; ``emit`` is called from the engine thread with each output.
 
         ``tenant`` (the authenticated API key's id) salts the request's KV page names:
         tenants never share cached pages. ``session`` (a client's conversation id) raises
-        the retention priority of the request's pages.
+        the retention priority of the request's pages. ``follow`` names a request submitted
+        before with the same prompt (another choice of it): this one is admitted once that
+        one has sampled its first token, so it finds the prompt's pages in the prefix cache.
         """
         request_id = request_id or uuid.uuid4().hex
         seq = self._new_sequence(list(prompt_ids), params, request_id, tenant, session)
-        self._inbox.put(_Add(seq, emit))
+        self._inbox.put(_Add(seq, emit, follow))
         self._wakeup.set()
         return request_id
 
@@ -210,12 +223,13 @@ class Engine:
         self._wakeup.set()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       tenant: str | None = None, session: str | None = None) -> AsyncIterator[RequestOutput]:
+                       tenant: str | None = None, session: str | None = None,
+                       follow: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Closing the iterator early aborts the request."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         request_id = self.submit(prompt_ids, params, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o),
-                                 request_id, tenant, session)
+                                 request_id, tenant, session, follow)
         finished = False
         try:
             while True:
@@ -232,17 +246,34 @@ class Engine:
                 self.abort(request_id)
 
     def generate_sync(self, prompt_ids: list[int], params: SamplingParams, tenant: str | None = None,
-                      session: str | None = None) -> RequestOutput:
-        """Run one request to completion from a plain thread; returns the whole output."""
-        outputs: queue.SimpleQueue = queue.SimpleQueue()
-        request_id = self.submit(prompt_ids, params, outputs.put, tenant=tenant, session=session)
-        total = RequestOutput(request_id)
-        while not total.finished:
+                      session: str | None = None, n: int = 1) -> RequestOutput | list[RequestOutput]:
+        """Run one request to completion from a plain thread; returns the whole output.
+
+        With ``n > 1``: n choices of the prompt (``SamplingParams.for_choice``), sharing its
+        KV through the prefix cache; returns the list of their outputs.
+        """
+        queues = [queue.SimpleQueue() for _ in range(n)]
+        first = None
+        for i, outputs in enumerate(queues):
+            rid = self.submit(prompt_ids, params.for_choice(i), outputs.put, tenant=tenant, session=session,
+                              follow=first)
+            first = first or rid
+        totals = [self._gather(outputs) for outputs in queues]
+        return totals[0] if n == 1 else totals
+
+    @staticmethod
+    def _gather(outputs: queue.SimpleQueue) -> RequestOutput:
+        total = None
+        while total is None or not total.finished:
             out = outputs.get()
             if isinstance(out, BaseException):
                 raise out
+            if total is None:
+                total = RequestOutput(out.request_id, logprobs=[] if out.logprobs is not None else None)
             total.text += out.text
             total.token_ids += out.token_ids
+            if out.logprobs is not None:
+                total.logprobs += out.logprobs
             total.finish_reason = out.finish_reason
             total.prompt_tokens, total.completion_tokens = out.prompt_tokens, out.completion_tokens
             total.cached_tokens = out.cached_tokens
@@ -282,7 +313,7 @@ class Engine:
             t0 = time.perf_counter()
             self.loop_seconds["schedule"] += t0 - t_start
             try:
-                tokens = self.runner.step(batch)
+                tokens, logprobs = self.runner.step(batch)
             except Exception as exc:  # a failed step fails its requests, not the server
                 log.exception("engine step failed; failing %d request(s)", len(batch.seqs))
                 for seq in batch.seqs:
@@ -297,11 +328,11 @@ class Engine:
                 self.tiers.planner.observe("prefill", prefill, t1 - t0)
             for seq in batch.seqs:
                 self.scheduler.commit(seq)  # before any finishes: its pages are named, then released
-            for seq, token in zip(batch.seqs, tokens):
+            for i, (seq, token) in enumerate(zip(batch.seqs, tokens)):
                 if token is None:
                     continue
                 try:
-                    self._append(seq, token)
+                    self._append(seq, token, None if logprobs is None else logprobs[i])
                 except Exception as exc:
                     log.exception("request %s failed after its step", seq.request_id)
                     self._fail(seq, exc)
@@ -318,26 +349,39 @@ class Engine:
             if isinstance(msg, _Add):
                 self._seqs[msg.seq.request_id] = msg.seq
                 self._emitters[msg.seq.request_id] = msg.emit
-                self.scheduler.add(msg.seq)
+                leader = self._seqs.get(msg.follow) if msg.follow else None
+                if leader is not None and leader.num_output_tokens == 0:
+                    self._followers.setdefault(leader.request_id, []).append(msg.seq)
+                else:
+                    self.scheduler.add(msg.seq)
             elif msg.request_id in self._seqs:
                 self._finish(self._seqs[msg.request_id], "abort", "")
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    def _release_followers(self, leader: Sequence) -> None:
+        for seq in self._followers.pop(leader.request_id, ()):
+            if seq.request_id in self._seqs:  # not aborted while parked
+                self.scheduler.add(seq)
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         seq.token_ids.append(token)
+        if seq.num_output_tokens == 1:
+            self._release_followers(seq)  # its prompt's pages are named (committed) by now
         p = seq.params
         stop_token = token in p.stop_token_ids or (token in self.tokenizer.eos_token_ids and not p.ignore_eos)
         text = "" if stop_token else seq.detokenizer.push(token)
+        logprobs = None if p.logprobs is None else ([] if stop_token or logprob is None else [logprob])
         reason = None
         if stop_token or seq.detokenizer.stopped:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.context_length:
             reason = "length"
         if reason is None:
-            self._emit(seq, RequestOutput(seq.request_id, text, [token]))
+            self._emit(seq, RequestOutput(seq.request_id, text, [token], logprobs=logprobs))
         else:
-            self._finish(seq, reason, text, [token])
+            self._finish(seq, reason, text, [token], logprobs)
 
-    def _finish(self, seq: Sequence, reason: str, text: str, tokens: list[int] | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, text: str, tokens: list[int] | None = None,
+                logprobs: list[TokenLogprob] | None = None) -> None:
         pages = []
         if self.tiers is not None and reason in ("stop", "length"):
             for i, page in enumerate(seq.block_table):
@@ -347,9 +391,13 @@ class Engine:
                     pages.append((page, *named, parent))
         if seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, reason)
+        self.runner.release(seq)
+        self._release_followers(seq)
         if reason != "abort":
             text += seq.detokenizer.flush()
-        self._emit(seq, RequestOutput(seq.request_id, text, tokens or [], reason))
+        if logprobs is None and seq.params.logprobs is not None:
+            logprobs = []
+        self._emit(seq, RequestOutput(seq.request_id, text, tokens or [], reason, logprobs=logprobs))
         self._seqs.pop(seq.request_id, None)
         self._emitters.pop(seq.request_id, None)
         if pages:
@@ -360,6 +408,8 @@ class Engine:
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         self.scheduler.finish(seq, "error")
+        self.runner.release(seq)
+        self._release_followers(seq)
         self._send(seq.request_id, exc)
         self._seqs.pop(seq.request_id, None)
         self._emitters.pop(seq.request_id, None)

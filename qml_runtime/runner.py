@@ -3,6 +3,12 @@
 Decode batches (one new token per sequence) replay a CUDA graph when the runner has them
 (qml_runtime.cuda_graphs); prefill and mixed batches run eagerly, with the metadata built
 on the host in one pass and sent in a few copies, so no layer waits on the device.
+
+The graphs sample inside themselves. When a sequence of the step needs more than the
+sampler does (logit bias, penalties, min_tokens: qml_runtime.logits) or asks for
+logprobs, the step's logits are taken from the graph (its ``last_logits`` buffer) and
+processed, sampled and turned into logprobs outside it, batched on the device; the
+graph's own tokens are dropped. Steps of plain requests never pay for that.
 """
 
 from __future__ import annotations
@@ -15,13 +21,19 @@ from qml_kernels.attention import AttentionMetadata
 from qml_kernels.sampling import sample
 from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
 from qml_runtime.kv.cache import KVCache
+from qml_runtime.logits import LogitsProcessor, gather_logprobs
+from qml_runtime.sampling_params import TokenLogprob
 from qml_runtime.scheduler import ScheduledBatch
+
+Logprobs = list[TokenLogprob | None] | None  # per sequence of the step; None when no sequence asked
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, device: torch.device, *,
-                 decode_graphs: DecodeGraphs | None = None, prefill_graphs: PrefillGraphs | None = None):
+                 decode_graphs: DecodeGraphs | None = None, prefill_graphs: PrefillGraphs | None = None,
+                 stop_ids: frozenset[int] = frozenset()):
         self.model, self.kv, self.device = model, kv, device
+        self.logits_processor = LogitsProcessor(device, stop_ids)
         self.block_size = kv.block_size
         self.graphs = decode_graphs
         self.prefill_graphs = prefill_graphs
@@ -55,50 +67,90 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
                 torch.cat(positions).to(dev, non_blocking=True), meta, sample_rows)
 
-    def _graph_tokens(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """The step's sampled tokens through a CUDA graph [B] (device), or None when no graph fits."""
+    def _graph_tokens(self, batch: ScheduledBatch):
+        """The step's sampled tokens through a CUDA graph [B] (device) and the graph family that ran
+        (its ``last_logits`` hold the step's logits), or None when no graph fits."""
         seqs, counts = batch.seqs, batch.num_tokens
         g = self.graphs
         if g is not None and all(n == 1 for n in counts) and all(s.num_computed + 1 == s.num_tokens for s in seqs) \
                 and g.fits(len(seqs), max(len(s.block_table) for s in seqs)):
-            return g.run(seqs)
+            return g.run(seqs), g
         p = self.prefill_graphs
         if p is not None and len(seqs) == 1 and p.fits(counts[0], len(seqs[0].block_table)):
-            return p.run(seqs[0], counts[0])
+            return p.run(seqs[0], counts[0]), p
         return None
 
+    def release(self, seq) -> None:
+        """``seq`` is finished: free its logits-processing state."""
+        self.logits_processor.release(seq)
+
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch) -> list[int | None]:
-        """Run the batch; returns, per sequence, the sampled token or None (prefill chunk not last)."""
+    def step(self, batch: ScheduledBatch) -> tuple[list[int | None], Logprobs]:
+        """Run the batch; returns, per sequence, the sampled token or None (prefill chunk not last),
+        and the tokens' logprobs for the sequences that asked (None when none did)."""
         t0 = time.perf_counter()
-        tokens = self._graph_tokens(batch)
-        if tokens is not None:
+        special = any(s.custom_sampling for s in batch.seqs)
+        ran = self._graph_tokens(batch)
+        if ran is not None:
+            tokens, family = ran
             for seq, n in zip(batch.seqs, batch.num_tokens):
                 seq.num_computed += n
-            self.launch_seconds += time.perf_counter() - t0
-            values = tokens.tolist()
-            return [t if s.num_computed == s.num_tokens else None for s, t in zip(batch.seqs, values)]
+            if not special:
+                self.launch_seconds += time.perf_counter() - t0
+                values = tokens.tolist()
+                return [t if s.num_computed == s.num_tokens else None for s, t in zip(batch.seqs, values)], None
+            # the graph's own tokens are dropped: its logits are sampled again, processed, below
+            rows = [i for i, s in enumerate(batch.seqs) if s.num_computed == s.num_tokens]
+            if not rows:
+                return [None] * len(batch.seqs), None
+            sampling = [batch.seqs[i] for i in rows]
+            n = len(rows)  # the sampling rows are the first ones of the graph's batch
+            params = family.sampling
+            drawn = self._draw(family.last_logits[:n], sampling, params.floats[:, :n], params.ints[:, :n], t0)
+            return self._per_seq(batch.seqs, sampling, *drawn)
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv, meta)  # [T, D]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
         sampling = [s for s in batch.seqs if s.num_computed == s.num_tokens]
         if not sampling:
-            return [None] * len(batch.seqs)
+            return [None] * len(batch.seqs), None
         logits = self.model.logits(hidden[sample_rows])  # [B', V]
-        tokens = self._sample(logits, sampling, t0)
-        by_seq = dict(zip(map(id, sampling), tokens))
-        return [by_seq.get(id(s)) for s in batch.seqs]
+        floats, ints = self._sampling_tensors(sampling, logits.device)
+        return self._per_seq(batch.seqs, sampling, *self._draw(logits, sampling, floats, ints, t0))
 
-    def _sample(self, logits: torch.Tensor, seqs: list, t0: float) -> list[int]:
+    @staticmethod
+    def _per_seq(seqs: list, sampling: list, tokens: list[int], logprobs: Logprobs) -> tuple[list, Logprobs]:
+        """The sampled rows' results spread over the whole batch (None where a sequence sampled nothing)."""
+        by_seq = dict(zip(map(id, sampling), range(len(sampling))))
+        rows = [by_seq.get(id(s)) for s in seqs]
+        out_tokens = [None if r is None else tokens[r] for r in rows]
+        if logprobs is None:
+            return out_tokens, None
+        return out_tokens, [None if r is None else logprobs[r] for r in rows]
+
+    @staticmethod
+    def _sampling_tensors(seqs: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         params = [s.params for s in seqs]
         # one host tensor per dtype, one copy each: explicit dtypes, since a request may give
         # temperature=1 as an int
         floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                               [p.min_p for p in params]], dtype=torch.float32).to(logits.device, non_blocking=True)
+                               [p.min_p for p in params]], dtype=torch.float32).to(device, non_blocking=True)
         ints = torch.tensor([[p.top_k for p in params], [s.seed for s in seqs],
-                             [s.num_output_tokens for s in seqs]], dtype=torch.int64).to(logits.device,
-                                                                                         non_blocking=True)
-        tokens = sample(logits, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2])
+                             [s.num_output_tokens for s in seqs]], dtype=torch.int64).to(device, non_blocking=True)
+        return floats, ints
+
+    def _draw(self, logits: torch.Tensor, seqs: list, floats: torch.Tensor, ints: torch.Tensor,
+              t0: float) -> tuple[list[int], Logprobs]:
+        """Sample one token per row of ``logits`` [B, V] (row i: seqs[i]) with the sampling parameters
+        ``floats`` (temperature, top_p, min_p) [3, B] and ``ints`` (top_k, seed, step) [3, B], after
+        the logits processing the rows ask for; logprobs from the raw ``logits``."""
+        special = any(s.params.processes_logits for s in seqs)
+        processed = self.logits_processor.process(logits, seqs) if special else logits
+        tokens = sample(processed, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2])
+        if special:
+            self.logits_processor.observe(seqs, tokens)
         self.launch_seconds += time.perf_counter() - t0
-        return tokens.tolist()
+        logprobs = gather_logprobs(logits, tokens, seqs) \
+            if any(s.params.logprobs is not None for s in seqs) else None
+        return tokens.tolist(), logprobs

@@ -36,6 +36,9 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
+        self.logits_slot: int | None = None  # its row of the LogitsProcessor's token counts (penalties)
+        # sampled outside the CUDA graphs (qml_runtime.runner): computed once, read every step
+        self.custom_sampling = params.processes_logits or params.logprobs is not None
         self.seed = seed  # with the step (num_output_tokens), keys this request's random stream in the sampler
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # set by the engine at the first step that runs it

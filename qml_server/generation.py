@@ -1,21 +1,24 @@
 """Driving one request through the engine, for both endpoints.
 
-The engine hands back an async generator of ``RequestOutput`` deltas. Everything
-here owns that generator from creation to ``aclose()``: closing it early is how the
-engine is told to abort the request and free its KV blocks.
+The engine hands back an async generator of ``RequestOutput`` deltas per choice (a
+request with ``n > 1`` is n engine requests). Everything here owns those generators
+from creation to ``aclose()``: closing one early is how the engine is told to abort
+that request and free its KV blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 
-from qml_runtime.sampling_params import RequestOutput, SamplingParams
+from qml_runtime.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from qml_server.errors import log_internal_error
 from qml_server.sse import SSE_DONE, cancel_on_disconnect, close_quietly, sse_event
 
@@ -35,25 +38,42 @@ class Finished:
     text: str
     finish_reason: str
     last: RequestOutput  # carries the cumulative token counts
+    logprobs: list[TokenLogprob] | None = None  # when the request asked for them
 
 
-async def first_output(request: Request, stream: EngineStream) -> RequestOutput:
-    """Wait for the engine's first output before any response is sent.
+async def first_outputs(request: Request, streams: list[EngineStream]) -> list[RequestOutput]:
+    """Wait for each choice's first output before any response is sent.
 
     Waiting here (instead of inside the streamed body) means an error the engine
     raises at admission is still a real HTTP status rather than an error event
     after a 200. The wait is raced against a disconnect, since a prefill can be long.
+    Choice 0 goes first: the others then find the prompt's pages in the prefix cache.
     """
     try:
-        return await cancel_on_disconnect(request.receive, _next(stream))
+        first = await cancel_on_disconnect(request.receive, _next(streams[0]))
+        rest = await cancel_on_disconnect(request.receive, asyncio.gather(*map(_next, streams[1:])))
+        return [first, *rest]
     except BaseException:
-        await close_quietly(stream)
+        with anyio.CancelScope(shield=True):
+            for stream in streams:
+                await close_quietly(stream)
         raise
 
 
-async def collect(request: Request, stream: EngineStream) -> Finished:
-    """Run a non-streamed request to the end, stopping early if the client leaves."""
-    return await cancel_on_disconnect(request.receive, _gather(stream))
+async def collect(request: Request, streams: list[EngineStream]) -> list[Finished]:
+    """Run a non-streamed request's choices to the end, stopping early if the client leaves."""
+    return await cancel_on_disconnect(request.receive, _gather_all(streams))
+
+
+async def _gather_all(streams: list[EngineStream]) -> list[Finished]:
+    tasks = [asyncio.ensure_future(_gather(stream)) for stream in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:  # one choice failed, or we are cancelled: the others stop too
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def outputs_until_finish(first: RequestOutput, stream: EngineStream) -> AsyncIterator[RequestOutput]:
@@ -82,25 +102,63 @@ async def _next(stream: EngineStream) -> RequestOutput:
 
 async def _gather(stream: EngineStream) -> Finished:
     parts: list[str] = []
+    logprobs: list[TokenLogprob] | None = None
     try:
         while True:
             out = await _next(stream)
             parts.append(out.text)
+            if out.logprobs is not None:
+                logprobs = (logprobs or []) + out.logprobs
             if out.finish_reason is not None:
-                return Finished("".join(parts), out.finish_reason, out)
+                return Finished("".join(parts), out.finish_reason, out, logprobs)
     finally:
         await close_quietly(stream)
 
 
+async def merged(sources: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from several streams as they come; closes them all however it ends."""
+    if len(sources) == 1:
+        async for out in sources[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(_anext(source)): i for i, source in enumerate(sources)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                out = task.result()
+                if out is None:
+                    continue
+                yield i, out
+                pending[asyncio.ensure_future(_anext(sources[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*pending, return_exceptions=True)
+            for source in sources:
+                await close_quietly(source)
+
+
+async def _anext(source: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    try:
+        return await source.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
 def start_generation(
     request: Request, prompt_ids: list[int], params: SamplingParams, request_id: str, started: float,
-    cache_salt: str | None = None, user: str | None = None,
-) -> EngineStream:
-    """Admit the request (503 when the engine's queue is full) and open its engine stream.
+    cache_salt: str | None = None, user: str | None = None, n: int = 1,
+) -> list[EngineStream]:
+    """Admit the request (503 when the engine's queue is full) and open its engine streams, one per
+    choice: choice i samples with ``params.for_choice(i)`` (its own seed stream) and follows choice 0,
+    whose prompt pages it shares through the prefix cache.
 
-    The stream is measured for /metrics from ``started``, the ``time.monotonic()`` at
-    which the request reached the handler. Nothing reaches the engine until the stream
-    is first advanced.
+    The streams are measured for /metrics from ``started``, the ``time.monotonic()`` at
+    which the request reached the handler (the request's latencies from choice 0). Nothing
+    reaches the engine until a stream is first advanced.
     """
     state = request.app.state
     state.admission.check()
@@ -111,16 +169,25 @@ def start_generation(
         tenant = f"{tenant or ''}\x00{cache_salt}"
     # a conversation that names itself (x-session-id, or OpenAI's `user`) keeps its KV longest
     session = request.headers.get("x-session-id") or user
-    stream = state.engine.generate(prompt_ids, params, request_id, tenant=tenant, session=session)
-    return state.metrics.track(stream, started)
+    streams = []
+    for i in range(n):
+        choice_id = request_id if n == 1 else f"{request_id}-{i}"
+        follow = None if i == 0 else f"{request_id}-0"
+        stream = state.engine.generate(prompt_ids, params.for_choice(i), choice_id, tenant=tenant, session=session,
+                                       follow=follow)
+        streams.append(state.metrics.track(stream, started, primary=i == 0))
+    return streams
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    """The request's usage from each choice's last output: the prompt once, every choice's tokens."""
+    prompt = outs[0].prompt_tokens
+    completion = sum(out.completion_tokens for out in outs)
     return {
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "total_tokens": out.prompt_tokens + out.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": outs[0].cached_tokens},
     }
 
 
@@ -131,18 +198,19 @@ def log_request(request_id: str, prompt_tokens: int, params: SamplingParams, str
 async def sse_completion_events(
     *,
     head: dict[str, Any],
-    first: RequestOutput,
-    stream: EngineStream,
+    firsts: list[RequestOutput],
+    streams: list[EngineStream],
     include_usage: bool,
-    text_choice: Callable[[str], dict[str, Any]],
-    finish_choice: Callable[[str], dict[str, Any]],
-    opening_choice: dict[str, Any] | None = None,
+    delta_choice: Callable[[int, RequestOutput], dict[str, Any] | None],
+    finish_choice: Callable[[int, str], dict[str, Any]],
+    opening_choice: Callable[[int], dict[str, Any]] | None = None,
 ) -> AsyncIterator[bytes]:
-    """The SSE body shared by both endpoints: chunks, one finish chunk, usage, [DONE].
+    """The SSE body shared by both endpoints: chunks, one finish chunk per choice, usage, [DONE].
 
-    ``head`` holds id/object/created/model. Exactly one chunk carries a finish_reason.
-    With ``include_usage`` every chunk has ``"usage": null`` and a last chunk with no
-    choices carries the totals, as OpenAI does. An engine failure after the 200 has
+    ``head`` holds id/object/created/model. ``delta_choice(i, out)`` is choice i's part of a
+    chunk for an output (None: nothing to send). Exactly one chunk per choice carries a
+    finish_reason. With ``include_usage`` every chunk has ``"usage": null`` and a last chunk
+    with no choices carries the totals, as OpenAI does. An engine failure after the 200 has
     gone out can only be reported in-band: an error event, then [DONE].
     """
     extra = {"usage": None} if include_usage else {}
@@ -152,16 +220,25 @@ async def sse_completion_events(
 
     try:
         if opening_choice is not None:
-            yield chunk(opening_choice)
-        last = first
-        async with aclosing(outputs_until_finish(first, stream)) as outputs:
-            async for out in outputs:
-                if out.text:
-                    yield chunk(text_choice(out.text))
-                last = out
-        yield chunk(finish_choice(last.finish_reason or "stop"))
+            for i in range(len(streams)):
+                yield chunk(opening_choice(i))
+        last = list(firsts)
+        sources = [outputs_until_finish(first, stream) for first, stream in zip(firsts, streams)]
+        async with aclosing(merged(sources)) as outputs:
+            async for i, out in outputs:
+                choice = delta_choice(i, out)
+                if choice is not None:
+                    yield chunk(choice)
+                last[i] = out
+                if out.finish_reason is not None:
+                    yield chunk(finish_choice(i, out.finish_reason))
         if include_usage:
             yield sse_event({**head, "choices": [], "usage": usage(last)})
     except Exception as exc:  # noqa: BLE001  (logged with its traceback under an error id)
         yield sse_event(log_internal_error(f"{head['id']}: engine failed mid-stream", exc).body())
+    finally:
+        # a choice's wrapper that never started cannot close its stream: close them all here
+        with anyio.CancelScope(shield=True):
+            for stream in streams:
+                await close_quietly(stream)
     yield SSE_DONE

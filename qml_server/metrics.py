@@ -119,25 +119,30 @@ class ServerMetrics:
             child = self._success[reason] = self._success_family.labels(self.model_name, reason)
         child.inc()
 
-    def track(self, stream: AsyncGenerator[RequestOutput, None], started: float) -> AsyncGenerator[RequestOutput, None]:
+    def track(self, stream: AsyncGenerator[RequestOutput, None], started: float,
+              primary: bool = True) -> AsyncGenerator[RequestOutput, None]:
         """``stream``, passed through unchanged while its timings and token counts are recorded.
 
         ``started`` is the ``time.monotonic()`` at which the request reached the server.
         Closing the returned generator closes ``stream`` (that is how the engine aborts).
+        Of a request's other choices (``primary=False``) only the generated tokens count:
+        the request's prompt, latencies and finish are its first choice's.
         """
-        return _tracked(self, stream, started)
+        return _tracked(self, stream, started, primary)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
 async def _tracked(metrics: ServerMetrics, stream: AsyncGenerator[RequestOutput, None],
-                   started: float) -> AsyncGenerator[RequestOutput, None]:
+                   started: float, primary: bool) -> AsyncGenerator[RequestOutput, None]:
     last_token_at: float | None = None
     async with aclosing(stream):
         async for out in stream:
             now = time.monotonic()
-            if out.token_ids:
+            if not primary:
+                metrics.generation_tokens.inc(len(out.token_ids))
+            elif out.token_ids:
                 if last_token_at is None:
                     metrics.time_to_first_token.observe(now - started)
                     # counted once the prompt has really been through the model
@@ -147,7 +152,7 @@ async def _tracked(metrics: ServerMetrics, stream: AsyncGenerator[RequestOutput,
                     metrics.inter_token_latency.observe(now - last_token_at)
                 last_token_at = now
                 metrics.generation_tokens.inc(len(out.token_ids))
-            if out.finish_reason is not None:
+            if primary and out.finish_reason is not None:
                 metrics.e2e_request_latency.observe(now - started)
                 metrics.finished(out.finish_reason)
             yield out

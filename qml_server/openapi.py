@@ -21,12 +21,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from qml_runtime.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from qml_server.fields import INT64_MAX, INT64_MIN
 from qml_server.lifecycle import DRAINING, FAILED, LOADING, READY, STOPPED
 from qml_server.schemas import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     IGNORED_FIELDS,
+    MAX_CHOICES,
     MESSAGE_EXTRAS,
     RESERVED_TEMPLATE_KWARGS,
     ROLES,
@@ -72,8 +74,18 @@ FIELD_SCHEMAS: dict[str, Schema] = {
         "properties": {"include_usage": optional(BOOLEAN), "include_obfuscation": {}},
         "description": "only with stream: true",
     },
-    "presence_penalty": {"const": 0, "description": "only 0 is supported"},
-    "frequency_penalty": {"const": 0, "description": "only 0 is supported"},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2,
+                         "description": "OpenAI's: subtracted once from each token already generated"},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2,
+                          "description": "OpenAI's: subtracted per occurrence of each token already generated"},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10,
+                           "description": "vLLM's: >1 discourages tokens of the prompt and output; 1 is off"},
+    "min_tokens": {"type": "integer", "minimum": 0, "maximum": INT64_MAX,
+                   "description": "EOS and stop_token_ids are masked until this many tokens are out (<= max_tokens)"},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "description": "choices to generate"},
+    "logprobs": {"type": "boolean", "description": "the generated tokens' log-probabilities"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                     "description": "alternatives per token; needs logprobs: true"},
     "cache_salt": {"type": "string", "description": "requests with different salts never share cached KV"},
     "max_tokens": POSITIVE_INT64,
     "max_completion_tokens": {**POSITIVE_INT64, "description": "wins over max_tokens"},
@@ -101,7 +113,16 @@ def build_openapi(*, model_id: str, vocab_size: int | None, auth: bool) -> Schem
         token_id["maximum"] = vocab_size - 1
     token_ids: Schema = {"type": "array", "items": token_id, "minItems": 1}
     model: Schema = {"enum": [model_id], "description": "the served model (the default); any other name is 404"}
-    fields = {**FIELD_SCHEMAS, "model": model}
+    logit_bias: Schema = {
+        "type": "object",
+        "maxProperties": MAX_LOGIT_BIAS,
+        "propertyNames": {"pattern": token_id_pattern(vocab_size)},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "description": "token id (a decimal string) -> bias added to its logit",
+    }
+    fields = {**FIELD_SCHEMAS, "model": model, "logit_bias": logit_bias}
+    completion_logprobs: Schema = {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                   "description": "the sampled token's logprob and this many alternatives"}
     prompt: Schema = {
         "anyOf": [
             STRING,
@@ -112,9 +133,11 @@ def build_openapi(*, model_id: str, vocab_size: int | None, auth: bool) -> Schem
         "description": "one prompt: text, token ids, or a one-item list of either",
     }
     schemas: dict[str, Schema] = {
-        "ChatCompletionRequest": _request_body(CHAT_FIELDS, UNSUPPORTED_CHAT, fields, required=["messages"]),
+        "ChatCompletionRequest": _request_body(CHAT_FIELDS, UNSUPPORTED_CHAT, fields, required=["messages"],
+                                               conditions=[_TOP_LOGPROBS_NEEDS_LOGPROBS]),
         "CompletionRequest": _request_body(
-            COMPLETION_FIELDS, UNSUPPORTED_COMPLETION, {**fields, "prompt": prompt}, required=["prompt"]
+            COMPLETION_FIELDS, UNSUPPORTED_COMPLETION, {**fields, "prompt": prompt, "logprobs": completion_logprobs},
+            required=["prompt"],
         ),
         "ChatMessage": _chat_message(),
         "TokenizeRequest": {
@@ -164,14 +187,15 @@ def build_openapi(*, model_id: str, vocab_size: int | None, auth: bool) -> Schem
                     "required": ["role", "content"],
                     "properties": {"role": {"const": "assistant"}, "content": STRING},
                 },
-                "logprobs": NULL,
+                "logprobs": optional({"type": "object", "required": ["content"]}),
                 "finish_reason": FINISH_REASON,
             },
         }),
         "Completion": _completion("text_completion", {
             "type": "object",
             "required": ["index", "text", "finish_reason"],
-            "properties": {"index": COUNT, "text": STRING, "logprobs": NULL, "finish_reason": FINISH_REASON},
+            "properties": {"index": COUNT, "text": STRING, "finish_reason": FINISH_REASON, "logprobs": optional({
+                "type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"]})},
         }),
         "Model": {
             "type": "object",
@@ -267,8 +291,36 @@ async def openapi_endpoint(request: Request) -> Response:
     return JSONResponse(state.openapi)
 
 
+# stream_options needs stream: true
+_STREAM_OPTIONS_NEED_STREAM: Schema = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
+_TOP_LOGPROBS_NEEDS_LOGPROBS: Schema = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+}
+
+
+def token_id_pattern(vocab_size: int | None) -> str:
+    """A regular expression for the decimal token ids in [0, vocab_size) (any, without a vocabulary)."""
+    if vocab_size is None:
+        return "^(0|[1-9][0-9]*)$"
+    top = str(vocab_size - 1)
+    D = len(top)
+    alternatives = ["0"] + [f"[1-9][0-9]{{{n - 1}}}" for n in range(1, D)]
+    # D-digit numbers up to top: at each position a smaller digit, then anything
+    for i in range(D):
+        low, digit = (1 if i == 0 else 0), int(top[i])
+        if digit > low:
+            alternatives.append(f"{top[:i]}[{low}-{digit - 1}]" + ("[0-9]" * (D - i - 1)))
+    if top != "0":
+        alternatives.append(top)
+    return "^(" + "|".join(alternatives) + ")$"
+
+
 def _request_body(implemented: frozenset[str], unsupported: dict, field_schemas: dict[str, Schema],
-                  required: list[str]) -> Schema:
+                  required: list[str], conditions: tuple | list = ()) -> Schema:
     properties: dict[str, Schema] = {}
     for name in sorted(implemented):
         schema = field_schemas[name]  # a KeyError here: a field schemas.py reads but this module does not describe
@@ -288,8 +340,7 @@ def _request_body(implemented: frozenset[str], unsupported: dict, field_schemas:
         "properties": properties,
         # unknown fields are logged and ignored, as vLLM and llama.cpp do
         "additionalProperties": True,
-        "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
-        "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+        "allOf": [_STREAM_OPTIONS_NEED_STREAM, *conditions],
     }
 
 
@@ -349,7 +400,7 @@ def _completion(kind: str, choice: Schema) -> Schema:
             "object": {"const": kind},
             "created": {"type": "integer"},
             "model": STRING,
-            "choices": {"type": "array", "items": choice, "minItems": 1, "maxItems": 1},
+            "choices": {"type": "array", "items": choice, "minItems": 1, "maxItems": MAX_CHOICES},
             "usage": ref("Usage"),
         },
     }

@@ -14,14 +14,15 @@ from qml_server.errors import api_endpoint, bad_request
 from qml_server.fields import read_json_object
 from qml_server.generation import (
     collect,
-    first_output,
+    first_outputs,
     log_request,
     sse_completion_events,
     start_generation,
     usage,
 )
+from qml_server.logprobs import TokenText, chat_logprobs
 from qml_server.prompts import chat_prompt_ids
-from qml_server.schemas import ChatRequest, check_model, parse_chat_request, resolve_max_tokens
+from qml_server.schemas import ChatRequest, check_model, check_token_ids, parse_chat_request, resolve_max_tokens
 from qml_server.sse import EventStreamResponse
 
 
@@ -31,6 +32,8 @@ async def chat_completions(request: Request) -> Response:
     engine = request.app.state.engine
     req = parse_chat_request(await read_json_object(request))
     check_model(req.model, engine.model_id)
+    check_token_ids([t for t, _ in req.sampling.logit_bias], getattr(engine.tokenizer, "vocab_size", None),
+                    "logit_bias")
     # Templates and tokenizers are CPU work that can take a while on long histories;
     # keep it off the event loop so other streams keep flowing.
     prompt_ids = await run_in_threadpool(_render_prompt, engine.tokenizer, req)
@@ -40,24 +43,32 @@ async def chat_completions(request: Request) -> Response:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     log_request(request_id, len(prompt_ids), params, req.stream)
-    stream = start_generation(request, prompt_ids, params, request_id, started, req.cache_salt, req.user)
+    streams = start_generation(request, prompt_ids, params, request_id, started, req.cache_salt, req.user,
+                               req.sampling.n)
+    texts = TokenText(engine.tokenizer)
 
     if req.stream:
-        first = await first_output(request, stream)
+        firsts = await first_outputs(request, streams)
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": engine.model_id}
+
+        def delta_choice(index: int, out: Any) -> dict[str, Any] | None:
+            if not out.text and not out.logprobs:
+                return None
+            return _delta(index, {"content": out.text}, logprobs=chat_logprobs(texts, out.logprobs))
+
         events = sse_completion_events(
             head=head,
-            first=first,
-            stream=stream,
+            firsts=firsts,
+            streams=streams,
             include_usage=req.include_usage,
             # OpenAI opens every chat stream with the role and an empty content.
-            opening_choice=_delta({"role": "assistant", "content": ""}),
-            text_choice=lambda text: _delta({"content": text}),
-            finish_choice=lambda reason: _delta({}, reason),
+            opening_choice=lambda index: _delta(index, {"role": "assistant", "content": ""}),
+            delta_choice=delta_choice,
+            finish_choice=lambda index, reason: _delta(index, {}, reason),
         )
         return EventStreamResponse(events)
 
-    done = await collect(request, stream)
+    done = await collect(request, streams)
     return JSONResponse(
         {
             "id": request_id,
@@ -66,13 +77,14 @@ async def chat_completions(request: Request) -> Response:
             "model": engine.model_id,
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": done.text},
-                    "logprobs": None,
-                    "finish_reason": done.finish_reason,
+                    "index": i,
+                    "message": {"role": "assistant", "content": d.text},
+                    "logprobs": chat_logprobs(texts, d.logprobs),
+                    "finish_reason": d.finish_reason,
                 }
+                for i, d in enumerate(done)
             ],
-            "usage": usage(done.last),
+            "usage": usage([d.last for d in done]),
         }
     )
 
@@ -84,5 +96,6 @@ def _render_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:
     return ids
 
 
-def _delta(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def _delta(index: int, delta: dict[str, Any], finish_reason: str | None = None,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

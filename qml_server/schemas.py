@@ -1,7 +1,7 @@
 """The request bodies we accept, validated into plain dataclasses.
 
 Policy on fields: a field we implement is type-checked; a field we know but do not
-implement is accepted only at its neutral value (``n: 1``, ``logprobs: false``,
+implement is accepted only at its neutral value (``echo: false``, ``best_of: 1``,
 ``tools: []``...) and otherwise rejected with 400, so a client never silently gets
 something other than what it asked for. A field nobody defines is logged and
 ignored, as vLLM and llama.cpp do (clients and SDKs add fields of their own); a
@@ -12,10 +12,12 @@ few known fields that cannot change the output (``user``, ``metadata``, ``store`
 from __future__ import annotations
 
 import logging
+import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from qml_runtime.sampling_params import SamplingParams
+from qml_runtime.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from qml_server.errors import bad_request, context_length_exceeded, invalid_type, missing_field, model_not_found
 from qml_server.fields import (
     JsonObject,
@@ -64,10 +66,6 @@ def _is(*neutral: Any) -> Neutral:
 # Known, not implemented: field -> (the values it is accepted at, what to tell the client otherwise).
 _NOT_YET = "is not supported yet"
 UNSUPPORTED_CHAT: dict[str, tuple[Neutral, str]] = {
-    "n": (_is(1), "must be 1: only one choice per request is supported"),
-    "logprobs": (_is(False), _NOT_YET),
-    "top_logprobs": (_is(0), _NOT_YET),
-    "logit_bias": (_is({}), _NOT_YET),
     "tools": (_is([]), _NOT_YET + " (no tool calling)"),
     "tool_choice": (_is("none"), _NOT_YET + " (no tool calling)"),
     "functions": (_is([]), _NOT_YET + " (no tool calling)"),
@@ -78,23 +76,22 @@ UNSUPPORTED_CHAT: dict[str, tuple[Neutral, str]] = {
     "prediction": (_is(), _NOT_YET),
     "reasoning_effort": (_is(), _NOT_YET),
     "web_search_options": (_is(), _NOT_YET),
-    "repetition_penalty": (_is(1, 1.0), _NOT_YET + " (only 1)"),
 }
 UNSUPPORTED_COMPLETION: dict[str, tuple[Neutral, str]] = {
-    "n": UNSUPPORTED_CHAT["n"],
     "best_of": (_is(1), "must be 1: only one candidate per request is supported"),
-    "logprobs": (_is(), _NOT_YET),
     "echo": (_is(False), _NOT_YET),
     "suffix": (_is(""), _NOT_YET),
-    "logit_bias": UNSUPPORTED_CHAT["logit_bias"],
-    "repetition_penalty": UNSUPPORTED_CHAT["repetition_penalty"],
 }
 
+MAX_CHOICES = 16  # n: each choice is a sequence of its own in the engine's batch
 # cache_salt (as in vLLM): requests with different salts never share cached KV pages
-_GENERAL = {"model", "stream", "stream_options", "presence_penalty", "frequency_penalty", "cache_salt"}
-_SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos"}
+_GENERAL = {"model", "stream", "stream_options", "cache_salt", "n", "logprobs"}
+_SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
 # The fields each body implements (type-checked, used); qml_server.openapi documents each one.
-CHAT_FIELDS = frozenset(_GENERAL | _SAMPLING | {"messages", "max_completion_tokens", "chat_template_kwargs"})
+CHAT_FIELDS = frozenset(
+    _GENERAL | _SAMPLING | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"}
+)
 COMPLETION_FIELDS = frozenset(_GENERAL | _SAMPLING | {"prompt"})
 TOKENIZE_FIELDS = frozenset(
     {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt", "chat_template_kwargs"}
@@ -122,6 +119,13 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None  # top alternatives per token; None: no logprobs at all
+    n: int = 1
 
     def to_params(self, max_tokens: int) -> SamplingParams:
         # SamplingParams checks ranges itself and raises InvalidParameter(param, message),
@@ -136,6 +140,12 @@ class Sampling:
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
+            logprobs=self.logprobs,
         )
 
 
@@ -187,6 +197,12 @@ def parse_chat_request(body: JsonObject) -> ChatRequest:
     newer = _opt_max_tokens(body, "max_completion_tokens")
     if newer is not None:
         sampling = replace(sampling, max_tokens=newer)
+    # chat: `logprobs: true` turns them on, `top_logprobs: k` adds the k best alternatives
+    top = _opt_range(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if opt_bool(body, "logprobs"):
+        sampling = replace(sampling, logprobs=top or 0)
+    elif top is not None:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     stream, include_usage = _parse_stream(body)
     return ChatRequest(
         model=opt_str(body, "model"),
@@ -203,10 +219,12 @@ def parse_chat_request(body: JsonObject) -> ChatRequest:
 def parse_completion_request(body: JsonObject) -> CompletionRequest:
     _check_field_names(body, COMPLETION_FIELDS, UNSUPPORTED_COMPLETION)
     stream, include_usage = _parse_stream(body)
+    # completions: `logprobs: k` (the legacy form) gives the sampled token's and the k best
+    sampling = replace(_parse_sampling(body), logprobs=_opt_range(body, "logprobs", 0, MAX_LOGPROBS))
     return CompletionRequest(
         model=opt_str(body, "model"),
         prompt=_parse_prompt(required(body, "prompt")),
-        sampling=_parse_sampling(body),
+        sampling=sampling,
         stream=stream,
         include_usage=include_usage,
         user=opt_str(body, "user"),
@@ -303,12 +321,6 @@ def _check_field_names(
 
 
 def _parse_sampling(body: JsonObject) -> Sampling:
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = opt_float(body, name)
-        if value not in (None, 0.0):
-            raise bad_request(
-                f"'{name}' is not supported yet; send 0 or leave it out", param=name, code="unsupported_parameter"
-            )
     top_k = opt_int(body, "top_k")
     defaults = Sampling()
     return Sampling(
@@ -322,7 +334,61 @@ def _parse_sampling(body: JsonObject) -> Sampling:
         stop=str_list(body.get("stop"), "stop"),
         stop_token_ids=int_list(body.get("stop_token_ids"), "stop_token_ids"),
         ignore_eos=bool(opt_bool(body, "ignore_eos")),
+        presence_penalty=_float_range(body, "presence_penalty", -2.0, 2.0, defaults.presence_penalty),
+        frequency_penalty=_float_range(body, "frequency_penalty", -2.0, 2.0, defaults.frequency_penalty),
+        repetition_penalty=_repetition_penalty(body),
+        logit_bias=_logit_bias(body),
+        min_tokens=_or(_opt_range(body, "min_tokens", 0, None), 0),
+        n=_or(_opt_range(body, "n", 1, MAX_CHOICES), 1),
     )
+
+
+def _opt_range(body: JsonObject, name: str, low: int, high: int | None) -> int | None:
+    value = opt_int(body, name)
+    if value is not None and (value < low or (high is not None and value > high)):
+        bound = f"in [{low}, {high}]" if high is not None else f"at least {low}"
+        raise bad_request(f"'{name}' must be {bound}, got {value}", param=name)
+    return value
+
+
+def _float_range(body: JsonObject, name: str, low: float, high: float, default: float) -> float:
+    value = opt_float(body, name)
+    if value is not None and not low <= value <= high:
+        raise bad_request(f"'{name}' must be in [{low:g}, {high:g}], got {value:g}", param=name)
+    return _or(value, default)
+
+
+def _repetition_penalty(body: JsonObject) -> float:
+    value = opt_float(body, "repetition_penalty")
+    if value is not None and not 0.0 < value <= 10.0:
+        raise bad_request(f"'repetition_penalty' must be in (0, 10] (1 is off), got {value:g}",
+                          param="repetition_penalty")
+    return _or(value, 1.0)
+
+
+_TOKEN_KEY = re.compile(r"0|[1-9][0-9]*")
+
+
+def _logit_bias(body: JsonObject) -> tuple[tuple[int, float], ...]:
+    """``{"token id": bias}`` -> ((id, bias), ...). Ids are checked against the vocabulary later
+    (``check_token_ids``), where the engine's vocabulary is known."""
+    value = opt_object(body, "logit_bias") or {}
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}",
+                          param="logit_bias")
+    entries = []
+    for key, bias in value.items():
+        where = f"logit_bias.{key}"
+        if not _TOKEN_KEY.fullmatch(key):
+            raise bad_request(f"'logit_bias' keys must be token ids written as decimal strings, got {key!r}",
+                              param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise invalid_type(where, "a number", bias)
+        number = float(bias)
+        if not -100.0 <= number <= 100.0:
+            raise bad_request(f"'{where}' must be in [-100, 100], got {number:g}", param=where)
+        entries.append((int(key), number))
+    return tuple(entries)
 
 
 def _opt_max_tokens(body: JsonObject, name: str) -> int | None:

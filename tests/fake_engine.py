@@ -2,7 +2,8 @@
 
 Byte-level tokenizer (one token per UTF-8 byte, plus BOS), a toy chat template, and
 a "model" that always answers with the same reply, one token per output, cut at
-max_tokens. It records what it was asked and whether each request ran to its end
+max_tokens (with made-up logprobs when asked: the reply's token at -0.5, then the
+next byte values at -1, -2, ...). It records what it was asked and whether each request ran to its end
 or was closed early (aborted), which is what the disconnect tests check.
 
 Like the real engine it has a queue: with ``max_running`` set, requests beyond it
@@ -19,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from qml_runtime.sampling_params import RequestOutput, SamplingParams
+from qml_runtime.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 
 BOS = 256
 VOCAB_SIZE = 257
@@ -60,6 +61,7 @@ class Call:
     request_id: str
     tenant: str | None = None
     session: str | None = None
+    follow: str | None = None
 
 
 class FakeEngine:
@@ -147,9 +149,9 @@ class FakeEngine:
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str | None = None,
-        session: str | None = None,
+        session: str | None = None, follow: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        self.calls.append(Call(list(prompt_ids), params, request_id, tenant, session))
+        self.calls.append(Call(list(prompt_ids), params, request_id, tenant, session, follow))
         # Imitates prefix caching: tokens shared with the previous prompt count as cached.
         cached = _common_prefix(self._last_prompt, prompt_ids)
         self._last_prompt = list(prompt_ids)
@@ -183,6 +185,7 @@ class FakeEngine:
                     prompt_tokens=len(prompt_ids),
                     completion_tokens=produced,
                     cached_tokens=cached,
+                    logprobs=None if params.logprobs is None else [fake_logprob(token, params.logprobs)],
                 )
                 if done:
                     return
@@ -201,3 +204,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def fake_logprob(token: int, k: int) -> TokenLogprob:
+    return TokenLogprob(token, -0.5, tuple([(token, -0.5)] + [((token + j) % 256, -float(j)) for j in range(1, k)]))

@@ -245,10 +245,25 @@ BAD_REQUESTS = [
     ("max-tokens-bool", CHAT, {"messages": HELLO, "max_tokens": True}, 400, TYPE, "max_tokens"),
     ("max-tokens-zero", CHAT, {"messages": HELLO, "max_tokens": 0}, 400, VALUE, "max_tokens"),
     ("stop-type", CHAT, {"messages": HELLO, "stop": 3}, 400, TYPE, "stop"),
-    ("n", CHAT, {"messages": HELLO, "n": 2}, 400, UNSUPPORTED, "n"),
-    ("presence", CHAT, {"messages": HELLO, "presence_penalty": 0.5}, 400, UNSUPPORTED, "presence_penalty"),
-    ("frequency", COMPLETIONS, {"prompt": "x", "frequency_penalty": 1}, 400, UNSUPPORTED, "frequency_penalty"),
-    ("logprobs", CHAT, {"messages": HELLO, "logprobs": True}, 400, UNSUPPORTED, "logprobs"),
+    ("n-zero", CHAT, {"messages": HELLO, "n": 0}, 400, VALUE, "n"),
+    ("n-too-many", COMPLETIONS, {"prompt": "x", "n": 17}, 400, VALUE, "n"),
+    ("n-bool", CHAT, {"messages": HELLO, "n": True}, 400, TYPE, "n"),
+    ("presence-range", CHAT, {"messages": HELLO, "presence_penalty": 2.5}, 400, VALUE, "presence_penalty"),
+    ("frequency-type", COMPLETIONS, {"prompt": "x", "frequency_penalty": "1"}, 400, TYPE, "frequency_penalty"),
+    ("repetition-zero", CHAT, {"messages": HELLO, "repetition_penalty": 0}, 400, VALUE, "repetition_penalty"),
+    ("logprobs-type", CHAT, {"messages": HELLO, "logprobs": 1}, 400, TYPE, "logprobs"),
+    ("top-logprobs-alone", CHAT, {"messages": HELLO, "top_logprobs": 3}, 400, VALUE, "top_logprobs"),
+    ("top-logprobs-range", CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, VALUE,
+     "top_logprobs"),
+    ("logprobs-cmpl-range", COMPLETIONS, {"prompt": "x", "logprobs": 21}, 400, VALUE, "logprobs"),
+    ("logprobs-cmpl-bool", COMPLETIONS, {"prompt": "x", "logprobs": True}, 400, TYPE, "logprobs"),
+    ("logit-bias-type", CHAT, {"messages": HELLO, "logit_bias": [1]}, 400, TYPE, "logit_bias"),
+    ("logit-bias-key", CHAT, {"messages": HELLO, "logit_bias": {"a": 1}}, 400, VALUE, "logit_bias"),
+    ("logit-bias-range", COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 101}}, 400, VALUE, "logit_bias.5"),
+    ("logit-bias-value-type", CHAT, {"messages": HELLO, "logit_bias": {"5": "x"}}, 400, TYPE, "logit_bias.5"),
+    ("logit-bias-vocab", CHAT, {"messages": HELLO, "logit_bias": {"257": 1}}, 400, VALUE, "logit_bias"),
+    ("min-tokens-negative", COMPLETIONS, {"prompt": "x", "min_tokens": -1}, 400, VALUE, "min_tokens"),
+    ("min-tokens-over-max", CHAT, {"messages": HELLO, "max_tokens": 3, "min_tokens": 5}, 400, VALUE, "min_tokens"),
     ("tools", CHAT, {"messages": HELLO, "tools": [TOOL]}, 400, UNSUPPORTED, "tools"),
     ("json-mode", CHAT, {"messages": HELLO, "response_format": {"type": "json_object"}}, 400, UNSUPPORTED,
      "response_format"),
@@ -257,7 +272,6 @@ BAD_REQUESTS = [
     ("unknown-model", CHAT, {"model": "gpt-4o", "messages": HELLO}, 404, "model_not_found", "model"),
     ("context-max-tokens", CHAT, {"messages": HELLO, "max_tokens": 1000}, 400, "context_length_exceeded", "messages"),
     ("context-prompt", COMPLETIONS, {"prompt": "x" * 300}, 400, "context_length_exceeded", "prompt"),
-    ("logprobs-cmpl", COMPLETIONS, {"prompt": "x", "logprobs": 1}, 400, UNSUPPORTED, "logprobs"),
     ("best-of", COMPLETIONS, {"prompt": "x", "best_of": 2}, 400, UNSUPPORTED, "best_of"),
     ("suffix", COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, UNSUPPORTED, "suffix"),
     ("echo", COMPLETIONS, {"prompt": "x", "echo": True}, 400, UNSUPPORTED, "echo"),
@@ -340,7 +354,7 @@ def test_integral_numbers_are_integers(client, fake):
     assert fake.calls[-1].params.seed == 7 and isinstance(fake.calls[-1].params.max_tokens, int)
     r = client.post(COMPLETIONS, json={"prompt": [72.0, 105], "max_tokens": 2})
     assert r.status_code == 200 and fake.calls[-1].prompt_ids == [72, 105]
-    assert_error(client.post(CHAT, json={"messages": HELLO, "n": True}), 400, UNSUPPORTED, "n")
+    assert_error(client.post(CHAT, json={"messages": HELLO, "n": True}), 400, TYPE, "n")
 
 
 # --- /tokenize and /detokenize --------------------------------------------------------
@@ -706,8 +720,10 @@ def test_live_server_with_openai_client(live_server):
         chunks = list(oa.chat.completions.create(model="fake-model", messages=HELLO, stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content == REPLY
         assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+        assert [c.message.content for c in oa.chat.completions.create(model="fake-model", messages=HELLO,
+                                                                       n=3).choices] == [REPLY] * 3
         with pytest.raises(openai.BadRequestError):
-            oa.chat.completions.create(model="fake-model", messages=HELLO, n=3)
+            oa.chat.completions.create(model="fake-model", messages=HELLO, n=17)
         assert oa.completions.create(model="fake-model", prompt="a", max_tokens=2).choices[0].text == REPLY[:2]
         assert fake.started == 1
 

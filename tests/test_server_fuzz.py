@@ -177,9 +177,10 @@ raw_bodies = (
 # --- the checks -----------------------------------------------------------------------
 
 # 400s a schema-valid body may still get: what depends on the prompt's length in tokens
-# or on the model's chat template, which no schema can express.
+# or on the model's chat template, and min_tokens over max_tokens (which may be the room
+# the prompt leaves), none of which a schema can express.
 SEMANTIC_REFUSALS = ("This model's maximum context length", "The chat template rejected",
-                     "The prompt is empty", "The rendered prompt is empty")
+                     "The prompt is empty", "The rendered prompt is empty", "min_tokens (")
 
 
 def check_error_shape(r: httpx.Response) -> dict:
