@@ -310,6 +310,9 @@ class Engine:
                 self.tiers.flush_spills()  # pages evicted while scheduling are copied out before reuse
             self._note_first_scheduled(batch.seqs)
             prefill = sum(n for n in batch.num_tokens if n > 1)
+            # chunks over no more cached context than their own length: what recomputing a history
+            # costs per token (a short chunk over a long history would understate it many times over)
+            from_start = all(s.num_computed <= n for s, n in zip(batch.seqs, batch.num_tokens) if n > 1)
             t0 = time.perf_counter()
             self.loop_seconds["schedule"] += t0 - t_start
             try:
@@ -322,9 +325,8 @@ class Engine:
             t1 = time.perf_counter()
             self.loop_seconds["step"] += t1 - t0
             self.loop_steps += 1
-            if self.tiers is not None and prefill >= 1024:
-                # the rate the restore planner weighs copying KV in against (short chunks over long
-                # contexts would understate what recomputing a whole history costs per token)
+            if self.tiers is not None and prefill >= 64 and from_start:
+                # the rate the restore planner weighs copying KV in against
                 self.tiers.planner.observe("prefill", prefill, t1 - t0)
             for seq in batch.seqs:
                 self.scheduler.commit(seq)  # before any finishes: its pages are named, then released
