@@ -7,7 +7,8 @@
 serve`` with the seed table's sizes and 32 concurrent 2k-token conversations, stops it.
 
 ``sessions``: one server with a small GPU pool, a host tier and a disk tier:
-1. ``qml bench sessions`` builds U conversations of T turns (~27k tokens of history each);
+1. ``qml bench sessions`` builds U conversations of 20 turns of ~133 tokens on a ~23k-token first
+   message (~27k tokens of history each);
 2. the next turn (133 tokens) with the history in GPU memory, beside a fresh full prefill;
 3. unrelated prompts push the histories out of the GPU pool; the next turn comes from host RAM;
 4. the server is stopped, the store's files are dropped from the page cache
@@ -100,7 +101,8 @@ def run_serve(out: Path, prompt_tokens: str, concurrency: int) -> int:
         stop_server(proc)
 
 
-def run_sessions(out: Path, users: int, turns: int, turn_tokens: int, tier_flags: str, evict_tokens: int) -> int:
+def run_sessions(out: Path, users: int, turns: int, turn_tokens: int, tier_flags: str, evict_tokens: int,
+                 first_turn_tokens: int) -> int:
     store = Path("/tmp/qml-kv-store")
     shutil.rmtree(store, ignore_errors=True)
     flags = (*tier_flags.split(), "--kv-disk-dir", str(store))
@@ -108,7 +110,8 @@ def run_sessions(out: Path, users: int, turns: int, turn_tokens: int, tier_flags
     proc = start_server(out, "sessions-1", *flags)
     try:
         rc |= bench(out, "sessions-build", "sessions", "--users", str(users), "--turns", str(turns),
-                    "--turn-tokens", str(turn_tokens), "--reply-tokens", "64", "--session-ids",
+                    "--turn-tokens", str(turn_tokens), "--first-turn-tokens", str(first_turn_tokens),
+                    "--reply-tokens", "64", "--session-ids",
                     "--save", str(out / "conv-build.json"), "--out", str(out / "sessions-build.json"))
         rc |= bench(out, "sessions-gpu", "sessions", "--resume", str(out / "conv-build.json"), "--turn-tokens", "133",
                     "--fresh", "--save", str(out / "conv-gpu.json"), "--out", str(out / "sessions-gpu.json"))
@@ -136,8 +139,10 @@ def main() -> int:
     parser.add_argument("mode", choices=("serve", "sessions"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--users", type=int, default=2)
-    parser.add_argument("--turns", type=int, default=19)
-    parser.add_argument("--turn-tokens", type=int, default=1400)
+    # 20 turns of ~133 tokens on a first message of ~23k: histories of ~27k tokens, as in issue 5
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--turn-tokens", type=int, default=133)
+    parser.add_argument("--first-turn-tokens", type=int, default=23000)
     parser.add_argument("--preset", default=PRESET)
     parser.add_argument("--prompt-tokens", default="133,598,2340,8892,26926")
     parser.add_argument("--concurrency", type=int, default=32)
@@ -153,7 +158,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rc = run_serve(args.out, args.prompt_tokens, args.concurrency) if args.mode == "serve" else run_sessions(
-        args.out, args.users, args.turns, args.turn_tokens, args.tier_flags, args.evict_tokens)
+        args.out, args.users, args.turns, args.turn_tokens, args.tier_flags, args.evict_tokens,
+        args.first_turn_tokens)
     print(json.dumps({"mode": args.mode, "rc": rc, "seconds": round(time.time() - t0, 1)}), flush=True)
     return rc
 

@@ -123,7 +123,8 @@ def run_sessions(base_url: str, api_key: str | None = None, model: str | None = 
                  fresh: bool = False, phase: str = "gpu", evict_tokens: int | None = None,
                  session_ids: bool = False, resume: dict | None = None, resumed_from: str | None = None,
                  metrics_url: str | None = None, timeout: float = 600.0, command: str | None = None,
-                 progress: Callable[[str], None] = lambda _: None) -> tuple[dict, dict]:
+                 progress: Callable[[str], None] = lambda _: None,
+                 first_turn_tokens: int | None = None) -> tuple[dict, dict]:
     """Play the conversations; returns (the result record, the conversations' state for ``--save``)."""
     if phase not in PHASES:
         raise BenchError(f"unknown phase {phase!r}: use one of {', '.join(PHASES)}")
@@ -134,7 +135,7 @@ def run_sessions(base_url: str, api_key: str | None = None, model: str | None = 
     client = Client(base_url, api_key, timeout, metrics_url=metrics_url)
     try:
         return _run(client, base_url, model, users, turns, turn_tokens, reply_tokens, fresh, phase, evict_tokens,
-                    session_ids, resume, resumed_from, command, progress)
+                    session_ids, resume, resumed_from, command, progress, first_turn_tokens)
     except _httpx().HTTPError as exc:
         raise BenchError(f"{base_url}: {type(exc).__name__}: {exc}") from exc
     finally:
@@ -144,7 +145,7 @@ def run_sessions(base_url: str, api_key: str | None = None, model: str | None = 
 def _run(client: Client, base_url: str, model: str | None, users: int | None, turns: int | None,
          turn_tokens: int | None, reply_tokens: int | None, fresh: bool, phase: str, evict_tokens: int | None,
          session_ids: bool, resume: dict | None, resumed_from: str | None, command: str | None,
-         progress: Callable[[str], None]) -> tuple[dict, dict]:
+         progress: Callable[[str], None], first_turn_tokens: int | None = None) -> tuple[dict, dict]:
     card = client.pick_model(model)
     notes: list[str] = []
     if resume is not None:
@@ -168,6 +169,9 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
         convs = [Conversation(f"user{i + 1}-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex, 0, [])
                  for i in range(users or DEFAULT_USERS)]
     text_chars = max(0, round(turn_tokens * chars_per_token) - (NONCE_DIGITS + 1))
+    # a long first message builds a long history in one turn; the later turns stay short
+    first_chars = max(0, round(first_turn_tokens * chars_per_token) - (NONCE_DIGITS + 1)) \
+        if first_turn_tokens else text_chars
     progress(f"{len(convs)} conversations x {turns} turns of ~{turn_tokens} tokens ({text_chars} chars, "
              f"{chars_per_token:.2f} chars/token) and {reply_tokens}-token replies; phase {phase}"
              + (f", resumed from {resumed_from}" if resume is not None else ""))
@@ -186,7 +190,7 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
                                     convs[0].turns + 1, progress))
         for conv in convs:
             turn = conv.turns + 1
-            conv.messages.append({"role": "user", "content": user_text(turn, text_chars)})
+            conv.messages.append({"role": "user", "content": user_text(turn, first_chars if turn == 1 else text_chars)})
             before = _counters(client.scrape_metrics())
             run = client.stream(conv.messages, max_tokens=reply_tokens, ignore_eos=True, cache_salt=conv.salt,
                                 headers={"x-session-id": conv.id} if session_ids else None)
@@ -219,6 +223,7 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
                 notes.append(f"{conv.id} turn {turn}: the reply stopped after {run.completion_tokens} of "
                              f"{reply_tokens} tokens (does the server honour ignore_eos?)")
     settings = {"users": len(convs), "turns": turns, "turn_tokens": turn_tokens, "reply_tokens": reply_tokens,
+                "first_turn_tokens": first_turn_tokens,
                 "fresh": fresh, "phase": phase, "evict_tokens": evict_tokens, "session_ids": session_ids,
                 "chars_per_token": round(chars_per_token, 4), "turn_text_chars": text_chars,
                 "page_tokens_assumed": PAGE_TOKENS}
@@ -321,6 +326,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn-tokens", type=positive_int,
                         help=f"about this many tokens of text per user turn (default: {DEFAULT_TURN_TOKENS}; "
                              "with --resume, the saved value)")
+    parser.add_argument("--first-turn-tokens", type=positive_int,
+                        help="about this many tokens in each conversation's first message (default: --turn-tokens): "
+                             "a long history at once, then short turns on top of it")
     parser.add_argument("--reply-tokens", type=positive_int,
                         help=f"tokens per assistant reply, with ignore_eos (default: {DEFAULT_REPLY_TOKENS}; "
                              "with --resume, the saved value)")
@@ -339,7 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="write the result as JSON to this file")
 
 
-_FLAGS = ("--base-url", "--model", "--users", "--turns", "--turn-tokens", "--reply-tokens", "--fresh", "--phase",
+_FLAGS = ("--base-url", "--model", "--users", "--turns", "--turn-tokens", "--first-turn-tokens", "--reply-tokens", "--fresh", "--phase",
           "--evict-tokens", "--session-ids", "--metrics-url", "--save", "--resume", "--timeout", "--out")
 
 
@@ -358,7 +366,7 @@ def bench_sessions_command(args: argparse.Namespace) -> int:
             args.base_url, api_key_from(args), args.model, args.users, args.turns, args.turn_tokens,
             args.reply_tokens, args.fresh, args.phase, args.evict_tokens, args.session_ids, resume,
             str(args.resume) if args.resume else None, args.metrics_url, args.timeout,
-            command_line(["qml", "bench", "sessions"], args, _FLAGS), progress)
+            command_line(["qml", "bench", "sessions"], args, _FLAGS), progress, args.first_turn_tokens)
     except BenchError as exc:
         print(f"qml bench sessions: {exc}", file=sys.stderr)
         return 1

@@ -133,3 +133,17 @@ def test_sessions_flags():
     assert args.users == 8 and args.turn_tokens == 200 and args.fresh
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["bench", "sessions", "--phase", "host"])
+
+
+def test_first_turn_tokens_builds_a_long_history_then_short_turns():
+    proc, url = start_tiny_server()
+    try:
+        result, _ = bench_sessions.run_sessions(url, users=1, turns=3, turn_tokens=20, reply_tokens=4,
+                                                first_turn_tokens=400)
+    finally:
+        stop_server(proc)
+    prompts = [r["prompt_tokens"] for r in result["turns"]]
+    assert 400 <= prompts[0] < 460  # the long first message (and the chat template's few tokens)
+    for before, after in zip(prompts, prompts[1:]):
+        assert 20 <= after - before - 4 < 60  # each later turn: ~20 new tokens, plus the 4-token reply
+    assert result["settings"]["first_turn_tokens"] == 400
