@@ -347,8 +347,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="write the result as JSON to this file")
 
 
-_FLAGS = ("--base-url", "--model", "--users", "--turns", "--turn-tokens", "--first-turn-tokens", "--reply-tokens", "--fresh", "--phase",
-          "--evict-tokens", "--session-ids", "--metrics-url", "--save", "--resume", "--timeout", "--out")
+_FLAGS = ("--base-url", "--model", "--users", "--turns", "--turn-tokens", "--first-turn-tokens", "--reply-tokens",
+          "--fresh", "--phase", "--evict-tokens", "--session-ids", "--metrics-url", "--save", "--resume", "--timeout",
+          "--out")
 
 
 def bench_sessions_command(args: argparse.Namespace) -> int:
