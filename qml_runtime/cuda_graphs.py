@@ -58,6 +58,18 @@ PREFILL_SPLIT_CONTEXT = 32768
 PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
+def sampling_rows(seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler's per-row parameters of ``seqs`` (Sequence-like: params, seed, num_output_tokens)
+    as two CPU tensors, one copy each to the device: floats [3, B] (temperature, top_p, min_p) and
+    ints [3, B] (top_k, seed, step). Explicit dtypes: a request may give temperature=1 as an int."""
+    params = [s.params for s in seqs]
+    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
+                           [p.min_p for p in params]], dtype=torch.float32)
+    ints = torch.tensor([[p.top_k for p in params], [s.seed for s in seqs],
+                         [s.num_output_tokens for s in seqs]], dtype=torch.int64)
+    return floats, ints
+
+
 class _Sampling:
     """Static per-row sampling parameters (filled per step) and the step's sampled tokens."""
 
@@ -73,12 +85,9 @@ class _Sampling:
 
     @staticmethod
     def host_rows(seqs: list, floats: torch.Tensor, ints: torch.Tensor) -> None:
-        params = [s.params for s in seqs]
-        B = len(seqs)
-        floats[:, :B] = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                                      [p.min_p for p in params]], dtype=torch.float32)
-        ints[:, :B] = torch.tensor([[p.top_k for p in params], [s.seed for s in seqs],
-                                    [s.num_output_tokens for s in seqs]], dtype=torch.int64)
+        """Fill the first len(seqs) columns of the host staging tensors."""
+        f, i = sampling_rows(seqs)
+        floats[:, :len(seqs)], ints[:, :len(seqs)] = f, i
 
 
 class _GraphFamily:

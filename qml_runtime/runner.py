@@ -19,7 +19,7 @@ import torch
 
 from qml_kernels.attention import AttentionMetadata
 from qml_kernels.sampling import sample
-from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
+from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs, sampling_rows
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.logits import LogitsProcessor, gather_logprobs
 from qml_runtime.sampling_params import TokenLogprob
@@ -131,14 +131,8 @@ class ModelRunner:
 
     @staticmethod
     def _sampling_tensors(seqs: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        params = [s.params for s in seqs]
-        # one host tensor per dtype, one copy each: explicit dtypes, since a request may give
-        # temperature=1 as an int
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                               [p.min_p for p in params]], dtype=torch.float32).to(device, non_blocking=True)
-        ints = torch.tensor([[p.top_k for p in params], [s.seed for s in seqs],
-                             [s.num_output_tokens for s in seqs]], dtype=torch.int64).to(device, non_blocking=True)
-        return floats, ints
+        floats, ints = sampling_rows(seqs)
+        return floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
 
     def _draw(self, logits: torch.Tensor, seqs: list, floats: torch.Tensor, ints: torch.Tensor,
               t0: float) -> tuple[list[int], Logprobs]:
