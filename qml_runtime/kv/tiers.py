@@ -168,8 +168,9 @@ class KVTiers:
         self._cuda = kv.data.is_cuda
         self._copy_stream = torch.cuda.Stream(kv.data.device) if self._cuda else None
         self._pending: list[tuple[int, int]] = []  # (page, host slot) spilled, not yet copied down
-        self._host_events: list = []  # copies into host slots that may still be running
-        self._slot_events: dict[int, object] = {}  # host slot -> the copy filling it (may still run)
+        # host slot -> the copy filling it (may still run). A slot filled again maps to the newer copy,
+        # which runs after the older one on the same side stream, so waiting on it covers both.
+        self._slot_events: dict[int, object] = {}
         self._pending_write_bytes = 0
         self._bounce = None  # the writer's pinned buffer, allocated once
         self._timing: list = []  # (start, end events, bytes) of uploads, observed once done
@@ -216,10 +217,8 @@ class KVTiers:
                     self.host.slots[s:s + n].copy_(staging[i:i + n], non_blocking=self._cuda)
             done = self._done(staging)
             if done is not None:
-                if len(self._host_events) > 64:  # forget copies that have finished
-                    self._host_events = [e for e in self._host_events if not e.query()]
+                if len(self._slot_events) > 64 * MAX_BATCH_PAGES:  # forget copies that have finished
                     self._slot_events = {s: e for s, e in self._slot_events.items() if not e.query()}
-                self._host_events.append(done)
                 for _, s in batch:
                     self._slot_events[s] = done
 
@@ -274,9 +273,8 @@ class KVTiers:
     def _settle(self) -> None:
         """Host slots hold what was copied into them: pending spills issued, their copies finished."""
         self.flush_spills()
-        for event in self._host_events:
+        for event in {id(e): e for e in self._slot_events.values()}.values():
             event.synchronize()
-        self._host_events.clear()
         self._slot_events.clear()
 
     def _queue_disk_write(self, name: bytes, tokens: tuple[int, ...], data: torch.Tensor,
