@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qml_kernels.attention import AttentionMetadata, paged_attention_ref
+from qml_kernels.workbench.spec import Case
 from qml_runtime.config import ModelConfig
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.sampling_params import SamplingParams
@@ -66,22 +67,15 @@ def free_memory() -> None:
 
 # --- attention -------------------------------------------------------------------------------
 
-def _paged(lens: list[int], H: int, Hkv: int, Dh: int, S: int, device, dtype, gen):
-    pages = [-(-L // S) for L in lens]
-    order = torch.randperm(sum(pages) + 1, generator=gen).tolist()
-    tables, used = [], 0
-    for n in pages:
-        tables.append(order[used:used + n])
-        used += n
-    kv = torch.randn(2, sum(pages) + 1, S, Hkv, Dh, generator=gen).to(device, dtype)
-    T = sum(lens)
-    q = torch.randn(T, H, Dh, generator=gen).to(device, dtype)
-    cu = [0]
-    for L in lens:
-        cu.append(cu[-1] + L)
-    slots = [t[p // S] * S + p % S for t, L in zip(tables, lens) for p in range(L)]
-    meta = AttentionMetadata.build(slots, tables, cu, lens, device)
-    return q, kv[0], kv[1], meta
+def _fresh_prompts(lens: list[int], device, gen):
+    """Fresh prompts of these lengths over a shuffled paged cache, Llama-3.1-8B heads, q a view of a
+    fused QKV row as in the engine: the prefill OpSpec's own inputs -> (q, k_cache, v_cache, meta)."""
+    from qml_kernels.attention_prefill import PAGED_PREFILL_ATTENTION_SPEC
+
+    case = Case("engine-bench", {"seqs": tuple((L, L) for L in lens), "H": 32, "Hkv": 8, "Dh": 128, "S": 16,
+                                 "shuffle": True, "fused_q": True})
+    inputs = PAGED_PREFILL_ATTENTION_SPEC.make_inputs(case, torch.bfloat16, device, gen)
+    return inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["meta"]
 
 
 def section_attention(args, device) -> None:
@@ -91,10 +85,10 @@ def section_attention(args, device) -> None:
     from qml_kernels.attention_prefill import paged_prefill_attention_triton
 
     gen = torch.Generator().manual_seed(1)
-    H, Hkv, Dh, S = 32, 8, 128, 16
+    H, Dh = 32, 128
     scale = Dh**-0.5
     for lens in ([4133], [598, 37, 5000], [8892]):
-        q, kc, vc, meta = _paged(lens, H, Hkv, Dh, S, device, torch.bfloat16, gen)
+        q, kc, vc, meta = _fresh_prompts(lens, device, gen)
         assert supported(q, kc, vc, meta, scale), f"cuDNN path does not take fresh prompts {lens}"
         ref = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, scale)
         for name, fn in (("cudnn", paged_prefill_attention_cudnn), ("triton", paged_prefill_attention_triton)):
@@ -104,7 +98,7 @@ def section_attention(args, device) -> None:
             assert err < 2e-2, f"{name} attention off by {err:.2e} (relative to max |out|) on {lens}"
     rows = []
     for L in args.sizes:
-        q, kc, vc, meta = _paged([L], H, Hkv, Dh, S, device, torch.bfloat16, gen)
+        q, kc, vc, meta = _fresh_prompts([L], device, gen)
         flops = 2 * L * L * H * Dh  # causal: half of 4 L^2 H Dh
         row = {"tokens": L}
         for name, fn in (("cudnn", paged_prefill_attention_cudnn), ("triton", paged_prefill_attention_triton)):
@@ -112,8 +106,6 @@ def section_attention(args, device) -> None:
             row[f"{name}_ms"], row[f"{name}_tflops"] = round(ms, 3), round(flops / ms / 1e9, 1)
         rows.append(row)
         print(row, flush=True)
-        del q, kc, vc, meta
-        free_memory()
     record("attention", prefill_per_layer=rows)
 
 
@@ -297,9 +289,9 @@ def section_transformers(args, device) -> None:
     mantissas, 128 experts), and a tie broken the other way (we take the lower expert id;
     torch.topk leaves the order unspecified) routes a token elsewhere. transformers' own bf16
     against its fp32 is recorded beside it for scale."""
-    from qml_runtime.presets import PRESETS
-
     import transformers
+
+    from qml_runtime.presets import PRESETS
 
     results = {}
     for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
@@ -412,9 +404,7 @@ def section_engine(args, device) -> None:
                                   "wall_s": round(wall, 2), "output_tokens_per_s": round(total / wall, 1),
                                   "steady_ms_per_step": round(steady, 3),
                                   "median_ttft_ms": round(statistics.median(r[0] for r in results) * 1e3, 1)})
-    engine.shutdown()
-    del engine
-    free_memory()
+    engine.shutdown()  # the engine and model go with this frame; main() empties the cache
 
 
 # --- profile ---------------------------------------------------------------------------------
@@ -464,8 +454,6 @@ def section_profile(args, device) -> None:
             for k, c, ms in rows[:14]:
                 print(f"  {ms:8.3f} ms  {c:5d}x  {k}", flush=True)
     record("profile", **tables)
-    del model, kv
-    free_memory()
 
 
 SECTIONS = {"attention": section_attention, "transformers": section_transformers, "engine": section_engine,
