@@ -168,6 +168,8 @@ class KVTiers:
         self._cuda = kv.data.is_cuda
         self._copy_stream = torch.cuda.Stream(kv.data.device) if self._cuda else None
         self._pending: list[tuple[int, int]] = []  # (page, host slot) spilled, not yet copied down
+        # with no host tier: (page, name, tokens) spilled straight to disk, not yet gathered
+        self._pending_disk: list[tuple[int, bytes, tuple[int, ...]]] = []
         # host slot -> the copy filling it (may still run). A slot filled again maps to the newer copy,
         # which runs after the older one on the same side stream, so waiting on it covers both.
         self._slot_events: dict[int, object] = {}
@@ -193,7 +195,7 @@ class KVTiers:
                 self.stats.spilled_host += 1
             return
         if self.disk is not None and not self.disk.contains(name):
-            self._write_through([page], [(name, tokens, None)])
+            self._pending_disk.append((page, name, tokens))
 
     def _reserve_host(self, name: bytes, tokens: tuple[int, ...]) -> int | None:
         """A host slot for ``name``; what it evicts goes to disk first."""
@@ -207,7 +209,11 @@ class KVTiers:
 
     def flush_spills(self) -> None:
         """Copy the pages spilled since the last call down to their host slots: gathered on the
-        compute stream (so the step after this one may overwrite the pages), copied on the side."""
+        compute stream (so the step after this one may overwrite the pages), copied on the side.
+        With no host tier, the pages go to the disk writer the same way, gathered in batches."""
+        while self._pending_disk:
+            batch, self._pending_disk = self._pending_disk[:MAX_BATCH_PAGES], self._pending_disk[MAX_BATCH_PAGES:]
+            self._write_through([p for p, _, _ in batch], [(name, tokens, None) for _, name, tokens in batch])
         while self._pending:
             batch, self._pending = self._pending[:MAX_BATCH_PAGES], self._pending[MAX_BATCH_PAGES:]
             staging = self._gather([p for p, _ in batch])
