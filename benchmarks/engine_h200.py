@@ -35,6 +35,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -407,6 +408,69 @@ def section_engine(args, device) -> None:
     engine.shutdown()  # the engine and model go with this frame; main() empties the cache
 
 
+# --- first calls -------------------------------------------------------------------------------
+
+def section_firstcall(args, device) -> None:
+    """What a prompt length the server has not seen yet costs (compiles, cuDNN plans), and where a
+    short turn over a long cached history spends its time."""
+    from qml_runtime.loader import load_engine
+
+    engine = load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
+                         kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
+                         kv_host_gib=0, progress=False)
+    engine.start()
+    V = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    order = [133, 598, 1100, 2340, 2340, 2341, 2600, 3000, 4100, 4100, 5000, 8892, 8892, 8893, 9500, 12000,
+             26926, 26926, 26927, 30000]
+    order = [n for n in order if n < engine.context_length]
+    firsts = []
+    for n in order:
+        ids = torch.randint(300, V, (n,), generator=gen).tolist()
+        t = _timed_request(engine, ids, one)[0] * 1e3
+        firsts.append({"tokens": n, "ttft_ms": round(t, 1)})
+        print(f"fresh {n}: {t:.1f} ms", flush=True)
+    record("firstcall", engine_fresh_in_order=firsts)
+    # cuDNN SDPA alone: a new length vs a seen one
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    H, Hkv, Dh = engine.model_config.num_heads, engine.model_config.num_kv_heads, engine.model_config.head_dim
+    sdpa = []
+    for L in (5000, 5000, 5001, 5003, 7000, 7000, 16001, 16001) if device.type == "cuda" else ():
+        q = torch.randn(1, H, L, Dh, device=device, dtype=torch.bfloat16)
+        kv = torch.randn(1, Hkv, L, Dh, device=device, dtype=torch.bfloat16)
+        sync(device)
+        t0 = time.perf_counter()
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        sync(device)
+        sdpa.append({"L": L, "ms": round((time.perf_counter() - t0) * 1e3, 2)})
+    record("firstcall", cudnn_sdpa_in_order=sdpa)
+    print("cuDNN SDPA:", sdpa, flush=True)
+    # a 219-token turn over a cached 27k-token history (the sessions bench's GPU-history case)
+    hist = torch.randint(300, V, (min(27120, engine.context_length // 2),), generator=gen).tolist()
+    _timed_request(engine, hist, one)
+    turns = []
+    for i in range(4):
+        hist = hist + torch.randint(300, V, (219,), generator=gen).tolist()
+        was = dict(engine.loop_seconds, launch=engine.runner.launch_seconds, steps=engine.loop_steps)
+        t = _timed_request(engine, hist, one)[0] * 1e3
+        now = dict(engine.loop_seconds, launch=engine.runner.launch_seconds, steps=engine.loop_steps)
+        split = {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post", "launch")}
+        turns.append({"ttft_ms": round(t, 2), "steps": now["steps"] - was["steps"], "loop_ms": split})
+        print(f"turn over {len(hist) - 219} cached: {t:.1f} ms {split}", flush=True)
+    record("firstcall", turn_over_27k_history=turns)
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        hist = hist + torch.randint(300, V, (219,), generator=gen).tolist()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _timed_request(engine, hist, one)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        (args.out / "firstcall-turn-profile.txt").write_text(table)
+        print(table, flush=True)
+    engine.shutdown()
+
+
 # --- profile ---------------------------------------------------------------------------------
 
 def section_profile(args, device) -> None:
@@ -457,7 +521,7 @@ def section_profile(args, device) -> None:
 
 
 SECTIONS = {"attention": section_attention, "transformers": section_transformers, "engine": section_engine,
-            "profile": section_profile}
+            "profile": section_profile, "firstcall": section_firstcall}
 
 
 def write(out: Path, stem: str, meta: dict) -> None:
