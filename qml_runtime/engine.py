@@ -40,6 +40,7 @@ from qml_runtime.runner import ModelRunner
 from qml_runtime.sampling_params import InvalidParameter, RequestOutput, SamplingParams, TokenLogprob
 from qml_runtime.scheduler import Scheduler
 from qml_runtime.sequence import Sequence, Status
+from qml_runtime.warmup import warm_up
 
 log = logging.getLogger("qml.engine")
 
@@ -62,7 +63,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, model_config: ModelConfig, *, model_id: str,
                  device: torch.device, dtype: torch.dtype, cache: CacheConfig, scheduler: SchedulerConfig,
                  context_length: int | None = None, info: dict | None = None, fingerprint: bytes = b"",
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, warmup: bool | None = None):
         self.model, self.tokenizer, self.model_config = model, tokenizer, model_config
         self.model_id, self.device, self.dtype = model_id, device, dtype
         self.kv = KVCache(model_config, cache.num_blocks, cache.block_size, device, dtype)
@@ -83,6 +84,8 @@ class Engine:
             graphs["decode_graphs"] = DecodeGraphs(model, self.kv, device, scheduler.max_num_seqs,
                                                    self.context_length, pool=pool)
         self.runner = ModelRunner(model, self.kv, device, stop_ids=frozenset(tokenizer.eos_token_ids), **graphs)
+        # on by default where there is something to compile (a GPU); on CPU a test turns it on
+        self.warmup = device.type == "cuda" if warmup is None else warmup
         self._info = dict(info or {})
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -113,6 +116,8 @@ class Engine:
     def start(self) -> None:
         if self._thread is None:
             self.runner.capture()  # CUDA graphs before serving: capturing later would stall requests
+            if self.warmup:  # the eager paths' compiles too, and the prefill curve for the planner
+                warm_up(self)
             # The loop shares the GIL with whoever consumes its tokens (the server's event loop).
             # Python's default 5 ms switch interval lets either hold it that long while the other
             # has a step to launch or a token to send: 0.5 ms keeps those waits short.
@@ -309,10 +314,10 @@ class Engine:
             if self.tiers is not None:
                 self.tiers.flush_spills()  # pages evicted while scheduling are copied out before reuse
             self._note_first_scheduled(batch.seqs)
-            prefill = sum(n for n in batch.num_tokens if n > 1)
-            # chunks over no more cached context than their own length: what recomputing a history
-            # costs per token (a short chunk over a long history would understate it many times over)
-            from_start = all(s.num_computed <= n for s, n in zip(batch.seqs, batch.num_tokens) if n > 1)
+            # the prefill chunks (cached context, new tokens): what the restore planner weighs reading
+            # KV against; a step with decode rows is not one (their time is not a prefill's)
+            chunks = [(s.num_computed, n) for s, n in zip(batch.seqs, batch.num_tokens)]
+            pure_prefill = sum(n for _, n in chunks) >= 64 and all(n > 1 for _, n in chunks)
             t0 = time.perf_counter()
             self.loop_seconds["schedule"] += t0 - t_start
             try:
@@ -325,9 +330,8 @@ class Engine:
             t1 = time.perf_counter()
             self.loop_seconds["step"] += t1 - t0
             self.loop_steps += 1
-            if self.tiers is not None and prefill >= 64 and from_start:
-                # the rate the restore planner weighs copying KV in against
-                self.tiers.planner.observe("prefill", prefill, t1 - t0)
+            if self.tiers is not None and pure_prefill:
+                self.tiers.planner.observe_prefill(chunks, t1 - t0)
             for seq in batch.seqs:
                 self.scheduler.commit(seq)  # before any finishes: its pages are named, then released
             for i, (seq, token) in enumerate(zip(batch.seqs, tokens)):

@@ -146,7 +146,7 @@ class Scheduler:
         seq.block_table = pages
         computed = on_gpu * S
         if below:
-            plan = self.tiers.plan([t for t, _, _ in below], S)
+            plan = self.tiers.plan([t for t, _, _ in below], S, on_gpu * S)
             self.blocks.grow(seq.block_table, covered)
             got = 0
             if plan.host_now:

@@ -143,6 +143,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
          help="the step budget when a single request is running or waiting: nobody's decode to protect, "
               "so its prompt is prefilled in chunks this large")
     flag("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (for debugging and comparison)")
+    flag("--no-warmup", action="store_true",
+         help="skip the start-up warm-up (GPU: compiles the eager prefill paths and measures the prefill "
+              "time the restore planner uses; ~10 s for an 8B model)")
     flag(
         "--max-body-bytes",
         type=parse_size,
@@ -246,6 +249,8 @@ def serve_command(args: argparse.Namespace) -> int:
     except (ModelNotFound, ValueError, OSError) as exc:  # bad path, bad file, unsupported model: no traceback
         print(f"qml serve: {exc}", file=sys.stderr)
         return 1
+    if args.no_warmup:
+        engine.warmup = False
 
     from qml_server.app import create_app
     from qml_server.lifecycle import serve

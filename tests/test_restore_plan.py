@@ -171,3 +171,82 @@ def test_a_block_missing_when_the_load_runs_is_computed_instead(engine, expected
         assert 0 < out.cached_tokens < blocks * 16
     finally:
         restarted.shutdown()
+
+
+# --- with the prefill curve measured at start-up (qml_runtime.warmup) ----------------------------
+
+# fresh prefills of Llama-3.1-8B shapes on the H200 (benchmarks/engine_h200.py --sections firstcall)
+H200_CURVE = [(2340, 0.0568), (8892, 0.2315), (26926, 0.932), (30000, 1.089)]
+
+
+def test_the_curve_is_exact_at_its_points_and_grows_faster_than_linearly():
+    planner = RestorePlanner(prefill_curve=H200_CURVE)
+    for n, s in H200_CURVE:
+        assert planner.fresh_seconds(n) == pytest.approx(s)
+    times = [planner.fresh_seconds(n) for n in range(0, 60_000, 500)]
+    assert all(b > a for a, b in zip(times, times[1:]))
+    # per token, a longer history costs more to recompute than a shorter one (attention)
+    assert planner.prefill_seconds(20_000, 1000) > planner.prefill_seconds(0, 1000)
+    # past the last point: on the line through the last two per-token costs
+    assert planner.fresh_seconds(40_000) / 40_000 > 1.089 / 30_000
+
+
+def test_with_the_curve_a_restarted_server_recomputes_what_the_disk_is_too_slow_for():
+    """The H200 sessions bench after a restart: 1,722 blocks on disk, a fresh prefill of ~28k
+    tokens/s. The constant guess (1,000 tokens/s) chose to read 917 blocks and took 1.40 s
+    against 0.99 s to recompute; with the curve, a 0.5 GB/s disk gets little to do."""
+    guessed = RestorePlanner(prefill_tokens_per_s=3352, host_bytes_per_s=5e9, disk_bytes_per_s=0.5e9)
+    measured = RestorePlanner(prefill_curve=H200_CURVE, host_bytes_per_s=5e9, disk_bytes_per_s=0.5e9)
+    old, new = guessed.plan(["disk"] * 1722, BLOCK, TOKENS), measured.plan(["disk"] * 1722, BLOCK, TOKENS)
+    assert old.load > 900
+    assert new.load < 500 and new.recompute_seconds == pytest.approx(measured.fresh_seconds(1722 * 16))
+    # at the disk's measured 1.46 GB/s the split reads more and ends well before recomputing
+    fast = RestorePlanner(prefill_curve=H200_CURVE, host_bytes_per_s=55e9, disk_bytes_per_s=1.46e9)
+    plan = fast.plan(["disk"] * 1722, BLOCK, TOKENS)
+    assert plan.kind == "split" and plan.seconds < 0.8 * plan.recompute_seconds
+
+
+def test_the_recompute_cost_depends_on_where_the_blocks_start():
+    planner = RestorePlanner(prefill_curve=H200_CURVE, host_bytes_per_s=55e9, disk_bytes_per_s=1.46e9)
+    head = planner.plan(["disk"] * 100, BLOCK, TOKENS, start=0)
+    tail = planner.plan(["disk"] * 100, BLOCK, TOKENS, start=25_000)
+    assert tail.recompute_seconds > head.recompute_seconds
+
+
+def test_running_prefills_scale_the_curve():
+    planner = RestorePlanner(prefill_curve=H200_CURVE, alpha=0.5)
+    predicted = planner.prefill_seconds(4096, 2048)
+    planner.observe_prefill([(4096, 2048)], 2 * predicted)  # chunked prefill: twice the one-shot time
+    assert planner.prefill_scale == pytest.approx(1.5)
+    assert planner.prefill_seconds(4096, 2048) == pytest.approx(1.5 * predicted)
+
+
+@given(st.lists(st.sampled_from(["host", "disk"]), max_size=60),
+       st.lists(st.tuples(st.integers(16, 40_000), st.floats(1e-4, 5.0)), min_size=1, max_size=6, unique_by=lambda p: p[0]),
+       st.floats(1e8, 1e11), st.floats(1e7, 1e10), st.integers(0, 30_000))
+@settings(max_examples=200, deadline=None)
+def test_with_any_curve_the_plan_is_never_slower_than_recomputing(tiers, curve, host, disk, start):
+    planner = RestorePlanner(prefill_curve=sorted(curve), host_bytes_per_s=host, disk_bytes_per_s=disk)
+    plan = planner.plan(tiers, BLOCK, TOKENS, start)
+    assert plan.host_now + plan.recompute + plan.load == len(tiers)
+    assert plan.seconds <= plan.recompute_seconds + 1e-9
+
+
+def test_rates_survive_a_restart_and_bad_files_are_ignored(engine, tmp_path):
+    first = sibling(engine, tmp_path)
+    first.tiers.planner.disk_bytes_per_s = 1.23e9
+    first.shutdown()
+    second = sibling(engine, tmp_path)
+    try:
+        assert second.tiers.planner.disk_bytes_per_s == pytest.approx(1.23e9)
+        rates = second.tiers.disk.dir / second.tiers.RATES_FILE
+    finally:
+        second.shutdown()
+    for bad in ("{not json", '{"disk_bytes_per_s": -5, "host_bytes_per_s": "fast"}', "[1, 2]"):
+        rates.write_text(bad)
+        third = sibling(engine, tmp_path)
+        try:
+            assert third.tiers.planner.disk_bytes_per_s == RestorePlanner().disk_bytes_per_s
+            assert third.tiers.planner.host_bytes_per_s == RestorePlanner().host_bytes_per_s
+        finally:
+            third.shutdown()

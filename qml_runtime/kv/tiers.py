@@ -26,7 +26,9 @@ Copies are batched and ordered on CUDA streams, never one synchronous copy per p
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -79,10 +81,15 @@ class RestorePlanner:
     first token; it is never slower than recomputing everything, which is one of its options.
     """
 
-    prefill_tokens_per_s: float = 1_000.0
+    prefill_tokens_per_s: float = 1_000.0  # used while there is no measured curve
     host_bytes_per_s: float = 5e9
     disk_bytes_per_s: float = 5e8
     alpha: float = 0.2  # weight of a new measurement
+    # [(tokens, seconds)] of fresh prefills measured at start-up (qml_runtime.warmup), sorted; the time
+    # per token grows with the length (attention), so it is interpolated, and extrapolated on the line
+    # through the last two points. ``prefill_scale`` follows what running prefills take against it.
+    prefill_curve: list = field(default_factory=list)
+    prefill_scale: float = 1.0
 
     def observe(self, kind: str, amount: float, seconds: float) -> None:
         if seconds <= 0 or amount <= 0:
@@ -90,19 +97,63 @@ class RestorePlanner:
         attr = {"prefill": "prefill_tokens_per_s", "host": "host_bytes_per_s", "disk": "disk_bytes_per_s"}[kind]
         setattr(self, attr, (1 - self.alpha) * getattr(self, attr) + self.alpha * amount / seconds)
 
-    def worth_restoring(self, tier: str, block_bytes: int, block_tokens: int) -> bool:
-        rate = self.host_bytes_per_s if tier == "host" else self.disk_bytes_per_s
-        return block_bytes / rate < block_tokens / self.prefill_tokens_per_s
+    def observe_prefill(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
+        """A step that computed ``chunks`` [(cached context, new tokens)] took ``seconds``."""
+        if not self.prefill_curve:
+            # chunks over no more cached context than their own length: what recomputing a history
+            # costs per token (a short chunk over a long history would understate it many times over)
+            if all(start <= n for start, n in chunks):
+                self.observe("prefill", sum(n for _, n in chunks), seconds)
+            return
+        predicted = sum(self.fresh_seconds(start + n) - self.fresh_seconds(start) for start, n in chunks)
+        if predicted > 0 and seconds > 0:
+            self.prefill_scale = (1 - self.alpha) * self.prefill_scale + self.alpha * seconds / predicted
 
-    def plan(self, tiers: Sequence[str], block_bytes: int, block_tokens: int) -> Plan:
-        """``tiers``: where each block after the GPU-cached ones lives ("host" or "disk"), in order."""
-        per_token = 1 / self.prefill_tokens_per_s
+    def fresh_seconds(self, tokens: int) -> float:
+        """The measured curve's time to prefill ``tokens`` from nothing (unscaled)."""
+        curve = self.prefill_curve
+        if tokens <= 0:
+            return 0.0
+        if len(curve) == 1 or tokens <= curve[0][0]:
+            n, s = curve[0]
+            return tokens * s / n
+        i = next((i for i in range(1, len(curve)) if tokens <= curve[i][0]), len(curve) - 1)
+        (n0, s0), (n1, s1) = curve[i - 1], curve[i]
+        r0, r1 = s0 / n0, s1 / n1  # seconds per token, linear in the length between (and past) the points
+        return tokens * max(r0 + (r1 - r0) * (tokens - n0) / (n1 - n0), min(r0, r1))
+
+    def prefill_seconds(self, start: int, tokens: int) -> float:
+        """Time to compute ``tokens`` tokens after ``start`` cached ones."""
+        if not self.prefill_curve:
+            return tokens / self.prefill_tokens_per_s
+        return self.prefill_scale * (self.fresh_seconds(start + tokens) - self.fresh_seconds(start))
+
+    def rates(self) -> dict:
+        return {"host_bytes_per_s": self.host_bytes_per_s, "disk_bytes_per_s": self.disk_bytes_per_s,
+                "prefill_tokens_per_s": self.prefill_tokens_per_s}
+
+    def load_rates(self, saved: dict) -> None:
+        """Rates measured by an earlier run on this machine (the disk store keeps them): better
+        first guesses than the defaults. Values that are not positive numbers are ignored."""
+        for key in ("host_bytes_per_s", "disk_bytes_per_s", "prefill_tokens_per_s"):
+            value = saved.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+                setattr(self, key, float(value))
+
+    def worth_restoring(self, tier: str, block_bytes: int, block_tokens: int, start: int = 0) -> bool:
+        rate = self.host_bytes_per_s if tier == "host" else self.disk_bytes_per_s
+        return block_bytes / rate < self.prefill_seconds(start, block_tokens)
+
+    def plan(self, tiers: Sequence[str], block_bytes: int, block_tokens: int, start: int = 0) -> Plan:
+        """``tiers``: where each block after the GPU-cached ones lives ("host" or "disk"), in order;
+        ``start``: the tokens cached on the GPU before them."""
+        bt = block_tokens
         host_block = block_bytes / self.host_bytes_per_s
         disk_block = block_bytes / self.disk_bytes_per_s
         n = len(tiers)
-        everything = n * block_tokens * per_token
-        h = 0  # the leading host blocks: copied now
-        while h < n and tiers[h] == "host" and host_block < block_tokens * per_token:
+        everything = self.prefill_seconds(start, n * bt)
+        h = 0  # the leading host blocks: copied now (each cheaper than computing it)
+        while h < n and tiers[h] == "host" and host_block < self.prefill_seconds(start + h * bt, bt):
             h += 1
         rest = tiers[h:]
         m = len(rest)
@@ -114,9 +165,10 @@ class RestorePlanner:
         suffix = [0.0] * (m + 1)
         for i in range(m - 1, -1, -1):
             suffix[i] = suffix[i + 1] + read[i]
-        best_k, best = m, m * block_tokens * per_token
+        head = start + h * bt
+        best_k, best = m, self.prefill_seconds(head, m * bt)
         for k in range(m + 1):
-            t = max(k * block_tokens * per_token, suffix[k]) + (m - k) * host_block
+            t = max(self.prefill_seconds(head, k * bt), suffix[k]) + (m - k) * host_block
             if t < best - 1e-12:
                 best_k, best = k, t
         return Plan(host_now=h, recompute=best_k, load=m - best_k, seconds=h * host_block + best,
@@ -179,6 +231,7 @@ class KVTiers:
         self._writes: queue.Queue = queue.Queue()
         self._writer = self._loader = None
         if disk is not None:
+            self._load_rates()
             self._writer = threading.Thread(target=self._write_loop, name="qml-kv-writer", daemon=True)
             self._writer.start()
             self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="qml-kv-loader")
@@ -343,9 +396,35 @@ class KVTiers:
         if self._writer is not None:
             self._writes.join()
 
+    # the planner's measured rates, kept beside the store: after a restart they are better first
+    # guesses than the defaults (the prefill curve is measured again at each start)
+    RATES_FILE = "rates.json"
+
+    def _load_rates(self) -> None:
+        try:
+            saved = json.loads((self.disk.dir / self.RATES_FILE).read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(saved, dict):
+            self.planner.load_rates(saved)
+            log.info("restore planner: rates from the last run: host %.1f GB/s, disk %.2f GB/s",
+                     self.planner.host_bytes_per_s / 1e9, self.planner.disk_bytes_per_s / 1e9)
+
+    def save_rates(self) -> None:
+        if self.disk is None:
+            return
+        path = self.disk.dir / self.RATES_FILE
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(self.planner.rates()))
+            os.replace(tmp, path)
+        except OSError as exc:  # a read-only or full disk costs the next start its first guesses, nothing more
+            log.warning("could not save the restore planner's rates: %s", exc)
+
     def close(self) -> None:
         """Finish the queued writes and release the disk store (idempotent)."""
         if self._writer is not None:
+            self.save_rates()
             self.flush()
             self._writes.put(None)
             self._writer.join(timeout=30)
@@ -363,17 +442,24 @@ class KVTiers:
             return "disk"
         return None
 
-    def plan(self, tiers: Sequence[str], block_tokens: int) -> Plan:
-        plan = self.planner.plan(tiers, self.block_bytes, block_tokens)
+    def plan(self, tiers: Sequence[str], block_tokens: int, start: int = 0) -> Plan:
+        plan = self.planner.plan(tiers, self.block_bytes, block_tokens, start)
         self.stats.plans[plan.kind] += 1
         self.stats.skipped_disk += sum(1 for t in tiers[plan.host_now:plan.host_now + plan.recompute] if t == "disk")
         if tiers:
             log.info("restore plan: %d blocks below the GPU -> %d from host now, %d recomputed, %d streamed in "
-                     "(%s; est. %.1f ms vs %.1f ms to recompute all; rates: prefill %.0f tok/s, host %.1f GB/s, "
+                     "(%s; est. %.1f ms vs %.1f ms to recompute all; rates: prefill %s, host %.1f GB/s, "
                      "disk %.2f GB/s)", len(tiers), plan.host_now, plan.recompute, plan.load, plan.kind,
-                     plan.seconds * 1e3, plan.recompute_seconds * 1e3, self.planner.prefill_tokens_per_s,
+                     plan.seconds * 1e3, plan.recompute_seconds * 1e3, self._prefill_rate_text(),
                      self.planner.host_bytes_per_s / 1e9, self.planner.disk_bytes_per_s / 1e9)
         return plan
+
+    def _prefill_rate_text(self) -> str:
+        p = self.planner
+        if not p.prefill_curve:
+            return f"{p.prefill_tokens_per_s:.0f} tok/s"
+        n = p.prefill_curve[-1][0]
+        return f"{n / p.prefill_seconds(0, n):.0f} tok/s at {n} tokens (x{p.prefill_scale:.2f} of the start-up curve)"
 
     def restore_host(self, blocks: list[tuple[bytes, tuple[int, ...]]], pages: list[int]) -> int:
         """Copy host blocks (name, tokens) into ``pages``, in order; returns how many were found
@@ -470,6 +556,8 @@ class KVTiers:
             self.stats.restored_disk += sum(1 for t in load.tiers[:landed] if t == "disk")
             self.stats.restored_host += sum(1 for t in load.tiers[:landed] if t == "host")
         self.stats.restore_seconds += time.perf_counter() - load.t0
+        if "disk" in load.tiers:
+            self.save_rates()  # a small file, once per load: a killed server keeps its last measurements
         return landed
 
     def _upload(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]]) -> None:

@@ -1,0 +1,107 @@
+"""Start-up warm-up: the eager prefill paths run once before the first request, and the prefill
+time is measured for the restore planner.
+
+Why: on the H200 the first prompt longer than the prefill graphs (over 1,024 tokens) took 1.43 s
+instead of ~35 ms, and the first one routed to cuDNN (4k+ tokens) 985 ms instead of ~100 ms
+(``benchmarks/engine_h200.py --sections firstcall``): Triton compiles each kernel variant at
+its first launch (integer arguments are specialised on divisibility by 16, so a length that is
+a multiple of 16 and one that is not are two variants), and cuDNN builds a plan per shape. The
+CUDA graphs compile what decode and short chunks use; this covers the rest: fresh prompts of
+both kinds of length on both attention paths, a chunk over cached context, and a mixed step
+(a decode row beside a chunk).
+
+The same prompts, timed a second time, give the planner the fresh-prefill time curve of this
+model on this GPU (``RestorePlanner.prefill_curve``): without it, a server restarted on a disk
+store weighed reading a history against a guessed prefill speed, and chose to read when
+recomputing was faster (sessions bench on the H200: 1.40 s against 0.99 s to recompute).
+
+The warm-up's pages are taken from the pool and given back unnamed: nothing enters the prefix
+cache, nothing is spilled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from qml_runtime.sampling_params import SamplingParams
+from qml_runtime.scheduler import ScheduledBatch
+
+log = logging.getLogger("qml.warmup")
+
+# fresh prompt lengths, capped by what one step may take: multiples of 16 and not, on both sides
+# of the cuDNN threshold (4,096), up to the longest prompt prefilled in one step
+FRESH_SIZES = (1500, 2048, 4100, 8192, 16384, 32768)
+CHUNK = 1999
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK) -> list[tuple[int, float]]:
+    """Run the eager paths once, then time fresh prefills; returns [(tokens, seconds)] and hands
+    the curve to the restore planner. Call before the engine loop starts (it uses the runner and
+    the block pool directly)."""
+    runner, blocks, device = engine.runner, engine.blocks, engine.device
+    one_step = max(engine.scheduler.config.max_batched_tokens, engine.scheduler.config.max_tokens_alone)
+    # the longest prompt is followed by an eager chunk over its cached context (CHUNK tokens: more
+    # than the prefill graphs take, not a multiple of 16) and a last token beside another's
+    limit = min(one_step, engine.context_length - chunk - 10,
+                (blocks.num_free - 2) * blocks.block_size - chunk - 10 - min(sizes, default=0) - 1)
+    sizes = tuple(sorted(n for n in sizes if n <= limit))
+    if not sizes:
+        return []
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    t_start = time.perf_counter()
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    def run(seqs, counts) -> None:
+        for seq, n in zip(seqs, counts):
+            blocks.grow(seq.block_table, seq.num_computed + n)
+        runner.step(ScheduledBatch(list(seqs), list(counts)))
+
+    def fresh(n: int, extra: int = 0):
+        """A sequence of n + extra prompt tokens with its first n computed."""
+        seq = engine._new_sequence(prompt(n + extra + 1), params, f"warmup-{n}")
+        run([seq], [n])
+        return seq
+
+    held = []
+    try:
+        with torch.inference_mode():
+            for i, n in enumerate(sizes):  # first pass: compiles and plans
+                held.append(fresh(n, chunk + 8 if i == len(sizes) - 1 else 0))
+                if 0 < i < len(sizes) - 1:
+                    blocks.release(held.pop().block_table)
+            # a chunk over cached context, then one sequence's last token beside another's last
+            # nine (a mixed batch: eager)
+            a, b = held[0], held[-1]
+            run([b], [chunk])
+            run([a, b] if a is not b else [b], [1, 9] if a is not b else [9])
+            for seq in held:
+                blocks.release(seq.block_table)
+            held = []
+            curve = []
+            for n in sizes:  # second pass: the time of a fresh prefill, compiled
+                _sync(device)
+                t0 = time.perf_counter()
+                seq = fresh(n)
+                _sync(device)
+                curve.append((n, time.perf_counter() - t0))
+                blocks.release(seq.block_table)
+    finally:
+        for seq in held:
+            blocks.release(seq.block_table)
+    if engine.tiers is not None:
+        engine.tiers.planner.prefill_curve = curve
+    log.info("warm-up in %.1f s; fresh prefill %s", time.perf_counter() - t_start,
+             ", ".join(f"{n} tokens {s * 1e3:.1f} ms" for n, s in curve))
+    return curve

@@ -1,0 +1,71 @@
+"""The start-up warm-up: it runs the eager paths and times fresh prefills without leaving anything
+behind (no pages held, nothing in the prefix cache), and hands the curve to the restore planner."""
+
+from __future__ import annotations
+
+from qml_runtime.config import CacheConfig, SchedulerConfig
+from qml_runtime.engine import Engine
+from qml_runtime.sampling_params import SamplingParams
+from qml_runtime.warmup import warm_up
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+def fresh_engine(engine, tmp_path, **kw) -> Engine:
+    cfg = CacheConfig(block_size=16, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    return Engine(engine.model, engine.tokenizer, engine.model_config, model_id="warm", device=engine.device,
+                  dtype=engine.dtype, cache=cfg, scheduler=SchedulerConfig(), fingerprint=b"w" * 32, **kw)
+
+
+def test_warm_up_leaves_no_pages_and_no_cache_and_feeds_the_planner(engine, tmp_path):
+    eng = fresh_engine(engine, tmp_path)
+    free = eng.blocks.num_free
+    curve = warm_up(eng, sizes=(48, 100, 37), chunk=40)
+    assert [n for n, _ in curve] == [37, 48, 100]  # sorted, all timed
+    assert all(s > 0 for _, s in curve)
+    assert eng.blocks.num_free == free and eng.blocks.num_cached == 0
+    assert eng.tiers.planner.prefill_curve == curve
+    eng.tiers.close()
+
+
+def test_sizes_that_do_not_fit_are_skipped(engine, tmp_path):
+    eng = fresh_engine(engine, tmp_path)
+    # 64 pages of 16 tokens: nothing near 1,000 tokens fits beside the chunk and a second prompt
+    assert warm_up(eng, sizes=(1000, 2000), chunk=40) == []
+    assert eng.tiers.planner.prefill_curve == []
+    eng.tiers.close()
+
+
+def test_an_engine_warmed_up_at_start_answers_as_one_that_was_not(engine, tmp_path, monkeypatch):
+    import functools
+
+    import qml_runtime.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "warm_up", functools.partial(warm_up, sizes=(40, 72), chunk=24))
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
+    cold = engine.generate_sync(prompt, GREEDY)
+    eng = fresh_engine(engine, tmp_path, warmup=True)
+    eng.start()
+    try:
+        assert [n for n, _ in eng.tiers.planner.prefill_curve] == [40, 72]  # it ran, at start
+        out = eng.generate_sync(prompt, GREEDY)
+    finally:
+        eng.shutdown()
+    assert out.token_ids == cold.token_ids
+
+
+def test_the_warm_up_is_off_on_cpu_by_default(engine, tmp_path):
+    eng = fresh_engine(engine, tmp_path)
+    assert eng.warmup is False
+    eng.tiers.close()
+
+
+def test_warm_up_with_one_size_then_serves(engine, tmp_path):
+    eng = fresh_engine(engine, tmp_path)
+    warm_up(eng, sizes=(40,), chunk=24)
+    eng.start()
+    try:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
+        assert eng.generate_sync(prompt, GREEDY).token_ids == engine.generate_sync(prompt, GREEDY).token_ids
+    finally:
+        eng.shutdown()
