@@ -450,3 +450,16 @@ class StoreMachine(RuleBasedStateMachine):
 def test_state_machine():
     run_state_machine_as_test(StoreMachine, settings=settings(max_examples=150, stateful_step_count=20,
                                                               deadline=None, database=None))
+
+
+def test_the_planner_rates_file_is_left_alone_by_the_scan(tmp_path, caplog):
+    from qml_runtime.kv.disk_store import RATES_NAME
+
+    with closing(DiskStore(tmp_path, FP, 3 * FILE)) as s:
+        s.put(key(0), None, tokens(0), payload(0))
+        (s.dir / RATES_NAME).write_text("{}")
+        (s.dir / "stranger.txt").write_text("x")
+    with caplog.at_level("WARNING"), closing(DiskStore(tmp_path, FP, 3 * FILE)) as s:
+        assert len(s) == 1 and (s.dir / RATES_NAME).exists()
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "stranger.txt" in warned and RATES_NAME not in warned

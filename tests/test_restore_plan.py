@@ -215,10 +215,10 @@ def test_the_recompute_cost_depends_on_where_the_blocks_start():
 
 def test_running_prefills_scale_the_curve():
     planner = RestorePlanner(prefill_curve=H200_CURVE, alpha=0.5)
-    predicted = planner.prefill_seconds(4096, 2048)
-    planner.observe_prefill([(4096, 2048)], 2 * predicted)  # chunked prefill: twice the one-shot time
+    predicted = planner.prefill_seconds(2048, 2048)
+    planner.observe_prefill([(2048, 2048)], 2 * predicted)  # chunked prefill: twice the one-shot time
     assert planner.prefill_scale == pytest.approx(1.5)
-    assert planner.prefill_seconds(4096, 2048) == pytest.approx(1.5 * predicted)
+    assert planner.prefill_seconds(2048, 2048) == pytest.approx(1.5 * predicted)
 
 
 @given(st.lists(st.sampled_from(["host", "disk"]), max_size=60),
@@ -250,3 +250,20 @@ def test_rates_survive_a_restart_and_bad_files_are_ignored(engine, tmp_path):
             assert third.tiers.planner.host_bytes_per_s == RestorePlanner().host_bytes_per_s
         finally:
             third.shutdown()
+
+
+def test_a_run_of_host_blocks_is_copied_whole_when_that_beats_computing_it():
+    # the first blocks of a history are the cheapest to compute: one alone is cheaper to compute than
+    # to copy at 5 GB/s, the 1,700 together are not
+    planner = RestorePlanner(prefill_curve=H200_CURVE, host_bytes_per_s=5e9, disk_bytes_per_s=1e9)
+    assert BLOCK / planner.host_bytes_per_s > planner.prefill_seconds(0, TOKENS)
+    plan = planner.plan(["host"] * 1700, BLOCK, TOKENS)
+    assert (plan.host_now, plan.kind) == (1700, "restore")
+
+
+def test_only_chunks_from_the_start_of_a_history_scale_the_curve():
+    planner = RestorePlanner(prefill_curve=H200_CURVE, alpha=0.5)
+    planner.observe_prefill([(27_000, 219)], 1.0)  # a turn over a long history (and maybe its upload)
+    assert planner.prefill_scale == 1.0
+    planner.observe_prefill([(0, 8892)], 100.0)  # one wild step moves the scale a bounded amount
+    assert planner.prefill_scale == pytest.approx(0.5 + 0.5 * 4.0)

@@ -71,6 +71,9 @@ _MAX_TOKENS = 1 << 16  # blocks hold tens of tokens; a larger count means a dama
 _NAME = re.compile(r"[0-9a-f]{64}" + re.escape(SUFFIX))
 _TEMP = re.compile(r"\.[0-9a-f]{64}\.\d+-\d+\.tmp")
 _LOCK_NAME = ".lock"
+# the restore planner's measured rates (qml_runtime.kv.tiers), kept beside the blocks; with its temp file
+RATES_NAME = "planner-rates.json"
+_SIDE_NAMES = frozenset((_LOCK_NAME, RATES_NAME, RATES_NAME + ".tmp"))
 
 Bytes = torch.Tensor | bytes | bytearray | memoryview
 
@@ -380,7 +383,7 @@ class DiskStore:
         """The startup scan: the directory is the manifest. Reads only headers."""
         names = []
         for entry in os.scandir(self.dir):
-            if entry.name == _LOCK_NAME:
+            if entry.name in _SIDE_NAMES:
                 continue
             if _TEMP.fullmatch(entry.name):  # an interrupted write; we hold the lock, so none is live
                 _unlink(Path(entry.path))

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qml_runtime.kv.cache import KVCache
-from qml_runtime.kv.disk_store import DiskStore
+from qml_runtime.kv.disk_store import RATES_NAME, DiskStore
 from qml_runtime.kv.host_tier import HostTier
 
 log = logging.getLogger("qml.kv.tiers")
@@ -82,7 +82,7 @@ class RestorePlanner:
     """
 
     prefill_tokens_per_s: float = 1_000.0  # used while there is no measured curve
-    host_bytes_per_s: float = 5e9
+    host_bytes_per_s: float = 2e10  # pinned copies: 55 GB/s measured on the H200, less through many small ones
     disk_bytes_per_s: float = 5e8
     alpha: float = 0.2  # weight of a new measurement
     # [(tokens, seconds)] of fresh prefills measured at start-up (qml_runtime.warmup), sorted; the time
@@ -98,16 +98,20 @@ class RestorePlanner:
         setattr(self, attr, (1 - self.alpha) * getattr(self, attr) + self.alpha * amount / seconds)
 
     def observe_prefill(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
-        """A step that computed ``chunks`` [(cached context, new tokens)] took ``seconds``."""
+        """A step that computed ``chunks`` [(cached context, new tokens)] took ``seconds``. Only
+        chunks over no more cached context than their own length count: what recomputing a
+        history costs (a short chunk over a long history runs another kernel, split-KV, and its
+        step often also carries the upload of that history, restored just before)."""
+        if not all(start <= n for start, n in chunks):
+            return
         if not self.prefill_curve:
-            # chunks over no more cached context than their own length: what recomputing a history
-            # costs per token (a short chunk over a long history would understate it many times over)
-            if all(start <= n for start, n in chunks):
-                self.observe("prefill", sum(n for _, n in chunks), seconds)
+            self.observe("prefill", sum(n for _, n in chunks), seconds)
             return
         predicted = sum(self.fresh_seconds(start + n) - self.fresh_seconds(start) for start, n in chunks)
         if predicted > 0 and seconds > 0:
-            self.prefill_scale = (1 - self.alpha) * self.prefill_scale + self.alpha * seconds / predicted
+            # bounded: one odd step (a stall, a copy queued ahead of it) must not swing the plans far
+            ratio = min(max(seconds / predicted, 0.5), 4.0)
+            self.prefill_scale = (1 - self.alpha) * self.prefill_scale + self.alpha * ratio
 
     def fresh_seconds(self, tokens: int) -> float:
         """The measured curve's time to prefill ``tokens`` from nothing (unscaled)."""
@@ -152,9 +156,14 @@ class RestorePlanner:
         disk_block = block_bytes / self.disk_bytes_per_s
         n = len(tiers)
         everything = self.prefill_seconds(start, n * bt)
-        h = 0  # the leading host blocks: copied now (each cheaper than computing it)
-        while h < n and tiers[h] == "host" and host_block < self.prefill_seconds(start + h * bt, bt):
-            h += 1
+        # the leading host blocks copied now: the longest run whose copy beats computing it (a block
+        # costs more to compute the later it lies, so the first blocks alone can be cheaper to compute
+        # than to copy while the run as a whole is not)
+        h, run = 0, 0
+        while run < n and tiers[run] == "host":
+            run += 1
+            if run * host_block < self.prefill_seconds(start, run * bt):
+                h = run
         rest = tiers[h:]
         m = len(rest)
         if m == 0:
@@ -398,7 +407,7 @@ class KVTiers:
 
     # the planner's measured rates, kept beside the store: after a restart they are better first
     # guesses than the defaults (the prefill curve is measured again at each start)
-    RATES_FILE = "rates.json"
+    RATES_FILE = RATES_NAME
 
     def _load_rates(self) -> None:
         try:
@@ -414,7 +423,7 @@ class KVTiers:
         if self.disk is None:
             return
         path = self.disk.dir / self.RATES_FILE
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(path.name + ".tmp")
         try:
             tmp.write_text(json.dumps(self.planner.rates()))
             os.replace(tmp, path)
