@@ -16,6 +16,7 @@ answer them with HTTP 400.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from datetime import datetime
@@ -215,6 +216,22 @@ class ChatTemplate:
             # Rendering fails on conversations the template was not written for (a missing key, a
             # content list where a string was expected, ...): the request's fault, not the server's.
             raise ChatTemplateError(f"the chat template could not render this conversation: {exc}") from exc
+
+    @functools.cached_property
+    def writes_tools(self) -> bool:
+        """Whether the template writes the ``tools`` it is given into the prompt (many ignore them).
+
+        Found by rendering once with a made-up tool and looking for its name, as llama.cpp probes
+        a template's capabilities: reading the source for "tools" would be fooled by templates that
+        only mention the word.
+        """
+        probe = {"type": "function", "function": {"name": "qml_probe_function", "description": "",
+                                                  "parameters": {"type": "object", "properties": {}}}}
+        try:
+            text = self.render([{"role": "user", "content": "hi"}], tools=[probe])
+        except (ChatTemplateError, jinja2.exceptions.SecurityError):
+            return False
+        return "qml_probe_function" in text
 
     def __repr__(self) -> str:
         return f"ChatTemplate({len(self.source)} chars, bos_token={self.bos_token!r}, eos_token={self.eos_token!r})"

@@ -29,6 +29,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from qml_runtime.config import CacheConfig, ModelConfig, SchedulerConfig
+from qml_runtime.constrained import GrammarError, Grammars
 from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
 from qml_runtime.detokenizer import IncrementalDetokenizer
 from qml_runtime.kv.block_manager import BlockManager
@@ -86,6 +87,7 @@ class Engine:
         self.runner = ModelRunner(model, self.kv, device, stop_ids=frozenset(tokenizer.eos_token_ids), **graphs)
         # on by default where there is something to compile (a GPU); on CPU a test turns it on
         self.warmup = device.type == "cuda" if warmup is None else warmup
+        self.grammars = Grammars(tokenizer, model_config.vocab_size)
         self._info = dict(info or {})
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -202,9 +204,16 @@ class Engine:
                                    f"({params.max_tokens}) exceeds the context length ({self.context_length})")
         # the sampler takes int64 seeds: fold any Python int into [0, 2^63)
         seed = params.seed % 2**63 if params.seed is not None else random.getrandbits(63)
+        grammar = None
+        if params.grammar is not None:
+            try:  # on the caller's thread: compiling a new grammar must not stall the engine loop
+                grammar = self.grammars.matcher(params.grammar)
+            except GrammarError as exc:
+                raise InvalidParameter("grammar", f"the grammar does not compile: {exc}") from None
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         salt = tenant.encode() if tenant else b""
-        return Sequence(request_id, prompt_ids, params, detok, seed, salt, retain=session is not None)
+        return Sequence(request_id, prompt_ids, params, detok, seed, salt, retain=session is not None,
+                        grammar=grammar)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Emit,
                request_id: str | None = None, tenant: str | None = None, session: str | None = None,
@@ -374,10 +383,13 @@ class Engine:
             self._release_followers(seq)  # its prompt's pages are named (committed) by now
         p = seq.params
         stop_token = token in p.stop_token_ids or (token in self.tokenizer.eos_token_ids and not p.ignore_eos)
+        if seq.grammar is not None and not stop_token:
+            seq.grammar.accept(token)  # a refusal fails the request (the mask allowed the token)
         text = "" if stop_token else seq.detokenizer.push(token)
         logprobs = None if p.logprobs is None else ([] if stop_token or logprob is None else [logprob])
         reason = None
-        if stop_token or seq.detokenizer.stopped:
+        # a complete grammar ends the sequence at once: its only next token would be EOS
+        if stop_token or seq.detokenizer.stopped or (seq.grammar is not None and seq.grammar.done):
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.context_length:
             reason = "length"

@@ -10,7 +10,9 @@ is here, run outside the graphs on the step's ``[B, V]`` logits when some row ne
 - ``repetition_penalty`` (HF/vLLM): tokens of the prompt or the output have positive logits
   divided by it and negative ones multiplied by it;
 - ``presence_penalty`` / ``frequency_penalty`` (OpenAI): ``presence * [count > 0] +
-  frequency * count`` subtracted, counting the output's tokens only.
+  frequency * count`` subtracted, counting the output's tokens only;
+- a grammar (``response_format``, forced tool calls: qml_runtime.constrained): the tokens the
+  sequence's matcher refuses get -inf, after everything above, so no bias can bring them back.
 
 Penalties need each sequence's token counts: a row of a device table per penalized
 sequence (counts of output tokens, and a mask of prompt tokens), filled once when the
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from qml_runtime.constrained import TokenMasks
 from qml_runtime.sampling_params import TokenLogprob
 
 
@@ -64,6 +67,7 @@ class LogitsProcessor:
         self.counts: torch.Tensor | None = None  # [R, V] int32: output tokens of the sequence in each row
         self.in_prompt: torch.Tensor | None = None  # [R, V] bool: tokens of its prompt
         self._free: list[int] = []
+        self.masks = TokenMasks()
 
     def release(self, seq) -> None:
         if seq.logits_slot is not None:
@@ -131,6 +135,9 @@ class LogitsProcessor:
             x = apply_penalties(out.index_select(0, rows_t), self.counts.index_select(0, slots_t),
                                 self.in_prompt.index_select(0, slots_t), f[0], f[1], f[2])
             out.index_copy_(0, rows_t, x)
+        constrained = [r for r, seq in enumerate(seqs) if seq.grammar is not None]
+        if constrained:
+            self.masks.apply(out, constrained, [seqs[r].grammar for r in constrained])
         return out
 
     def observe(self, seqs: list, tokens: torch.Tensor) -> None:

@@ -33,6 +33,10 @@ class SamplingParams:
     multiply negative ones, for tokens of the prompt or the output). ``logprobs = k``
     returns, for each generated token, its log-probability and the k most likely
     alternatives; None returns none.
+
+    ``grammar`` (llguidance's serialized grammar, from qml_runtime.constrained) limits the output
+    to the strings it allows: disallowed tokens are masked before sampling, and generation stops
+    when the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -50,6 +54,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); ids checked against the vocabulary
     min_tokens: int = 0
     logprobs: int | None = None
+    grammar: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -93,12 +98,14 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidParameter("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], "
                                    f"got {self.logprobs!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise InvalidParameter("grammar", "grammar must be a non-empty string (a compiled llguidance grammar)")
 
     @property
     def processes_logits(self) -> bool:
         """Whether the logits need work beyond temperature and the filters (the in-graph sampler's)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.grammar is not None)
 
     @property
     def penalized(self) -> bool:

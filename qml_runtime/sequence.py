@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from qml_runtime.constrained import GrammarMatcher
 from qml_runtime.detokenizer import IncrementalDetokenizer
 from qml_runtime.sampling_params import SamplingParams
 
@@ -19,7 +20,8 @@ class Sequence:
     """Tokens (prompt then generated), how many of them have KV in the cache, and the pages holding it."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer, seed: int = 0, salt: bytes = b"", retain: bool = False):
+                 detokenizer: IncrementalDetokenizer, seed: int = 0, salt: bytes = b"", retain: bool = False,
+                 grammar: GrammarMatcher | None = None):
         self.request_id = request_id
         self.params = params
         self.token_ids: list[int] = list(prompt_ids)
@@ -37,6 +39,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
         self.logits_slot: int | None = None  # its row of the LogitsProcessor's token counts (penalties)
+        self.grammar = grammar  # its parse of params.grammar, advanced by each sampled token
         # sampled outside the CUDA graphs (qml_runtime.runner): computed once, read every step
         self.custom_sampling = params.processes_logits or params.logprobs is not None
         self.seed = seed  # with the step (num_output_tokens), keys this request's random stream in the sampler

@@ -202,16 +202,18 @@ async def sse_completion_events(
     streams: list[EngineStream],
     include_usage: bool,
     delta_choice: Callable[[int, RequestOutput], dict[str, Any] | None],
-    finish_choice: Callable[[int, str], dict[str, Any]],
+    finish_choice: Callable[[int, str], list[dict[str, Any]]],
     opening_choice: Callable[[int], dict[str, Any]] | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body shared by both endpoints: chunks, one finish chunk per choice, usage, [DONE].
 
     ``head`` holds id/object/created/model. ``delta_choice(i, out)`` is choice i's part of a
-    chunk for an output (None: nothing to send). Exactly one chunk per choice carries a
-    finish_reason. With ``include_usage`` every chunk has ``"usage": null`` and a last chunk
-    with no choices carries the totals, as OpenAI does. An engine failure after the 200 has
-    gone out can only be reported in-band: an error event, then [DONE].
+    chunk for an output (None: nothing to send); ``finish_choice(i, reason)`` its parts of the
+    last chunks (the chat route sends held-back tool calls there), the last part carrying the
+    finish_reason. Exactly one chunk per choice carries a finish_reason. With ``include_usage``
+    every chunk has ``"usage": null`` and a last chunk with no choices carries the totals, as
+    OpenAI does. An engine failure after the 200 has gone out can only be reported in-band: an
+    error event, then [DONE].
     """
     extra = {"usage": None} if include_usage else {}
 
@@ -231,7 +233,8 @@ async def sse_completion_events(
                     yield chunk(choice)
                 last[i] = out
                 if out.finish_reason is not None:
-                    yield chunk(finish_choice(i, out.finish_reason))
+                    for choice in finish_choice(i, out.finish_reason):
+                        yield chunk(choice)
         if include_usage:
             yield sse_event({**head, "choices": [], "usage": usage(last)})
     except Exception as exc:  # noqa: BLE001  (logged with its traceback under an error id)

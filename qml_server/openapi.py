@@ -44,7 +44,7 @@ BOOLEAN: Schema = {"type": "boolean"}
 INT64: Schema = {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}
 POSITIVE_INT64: Schema = {"type": "integer", "minimum": 1, "maximum": INT64_MAX}
 COUNT: Schema = {"type": "integer", "minimum": 0}
-FINISH_REASON: Schema = {"enum": ["stop", "length", "abort"]}
+FINISH_REASON: Schema = {"enum": ["stop", "length", "abort", "tool_calls"]}
 
 
 def optional(schema: Schema) -> Schema:
@@ -63,6 +63,50 @@ _TEXT_PART: Schema = {
     "properties": {"type": {"const": "text"}, "text": STRING},
 }
 _EXTRA_TYPES = {str: STRING, list: {"type": "array"}}
+_JSON_SCHEMA: Schema = {"type": "object", "description": "a JSON Schema; one llguidance cannot compile is a 400"}
+_RESPONSE_FORMAT: Schema = {
+    "oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["schema"],
+                    "properties": {"name": optional(STRING), "description": optional(STRING),
+                                   "schema": _JSON_SCHEMA, "strict": optional(BOOLEAN)},
+                },
+            },
+        },
+    ],
+    "description": "json_object / json_schema: the output is constrained by grammar to JSON (matching the schema)",
+}
+_FUNCTION_NAME: Schema = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
+_TOOL: Schema = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": _FUNCTION_NAME, "description": optional(STRING),
+                           "parameters": optional(_JSON_SCHEMA), "strict": optional(BOOLEAN)},
+        },
+    },
+}
+_TOOL_CALL: Schema = {
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {
+        "id": STRING,
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name", "arguments"],
+                     "properties": {"name": STRING, "arguments": {"type": "string", "description": "a JSON object"}}},
+    },
+}
 
 # The JSON Schema of each implemented field, as the parser (schemas.py, fields.py) and
 # SamplingParams check it. Keys must cover CHAT_FIELDS | COMPLETION_FIELDS.
@@ -99,6 +143,18 @@ FIELD_SCHEMAS: dict[str, Schema] = {
     "ignore_eos": BOOLEAN,
     "user": {"type": "string", "description": "names the conversation: its KV is kept longest"},
     "messages": {"type": "array", "items": ref("ChatMessage"), "minItems": 1},
+    "response_format": _RESPONSE_FORMAT,
+    "tools": {"type": "array", "items": _TOOL, "description": "function names must differ"},
+    "tool_choice": {
+        "anyOf": [
+            {"enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"],
+             "properties": {"type": {"const": "function"},
+                            "function": {"type": "object", "required": ["name"], "properties": {"name": STRING}}}},
+        ],
+        "description": "required, or a function (one of tools): the output is constrained to tool calls",
+    },
+    "parallel_tool_calls": {"type": "boolean", "description": "false: at most one call (with tool_choice required)"},
     "chat_template_kwargs": {
         "type": "object",
         "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}},
@@ -185,7 +241,9 @@ def build_openapi(*, model_id: str, vocab_size: int | None, auth: bool) -> Schem
                 "message": {
                     "type": "object",
                     "required": ["role", "content"],
-                    "properties": {"role": {"const": "assistant"}, "content": STRING},
+                    # content is null when the message only calls tools
+                    "properties": {"role": {"const": "assistant"}, "content": optional(STRING),
+                                   "tool_calls": {"type": "array", "items": _TOOL_CALL, "minItems": 1}},
                 },
                 "logprobs": optional({"type": "object", "required": ["content"]}),
                 "finish_reason": FINISH_REASON,

@@ -24,6 +24,7 @@ from qml_server.logprobs import TokenText, chat_logprobs
 from qml_server.prompts import chat_prompt_ids
 from qml_server.schemas import ChatRequest, check_model, check_token_ids, parse_chat_request, resolve_max_tokens
 from qml_server.sse import EventStreamResponse
+from qml_server.tools import ToolCallStream, parse_tool_calls, prompt_messages
 
 
 @api_endpoint
@@ -50,11 +51,28 @@ async def chat_completions(request: Request) -> Response:
     if req.stream:
         firsts = await first_outputs(request, streams)
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": engine.model_id}
+        # per choice: the text that may be a tool call is held back until the choice ends
+        splitters = [ToolCallStream(req.tools) for _ in streams] if req.tools is not None else None
 
         def delta_choice(index: int, out: Any) -> dict[str, Any] | None:
-            if not out.text and not out.logprobs:
+            text = out.text if splitters is None else splitters[index].feed(out.text)
+            if not text and not out.logprobs:
                 return None
-            return _delta(index, {"content": out.text}, logprobs=chat_logprobs(texts, out.logprobs))
+            return _delta(index, {"content": text}, logprobs=chat_logprobs(texts, out.logprobs))
+
+        def finish_choice(index: int, reason: str) -> list[dict[str, Any]]:
+            if splitters is None:
+                return [_delta(index, {}, reason)]
+            rest, calls = splitters[index].finish()
+            chunks = [_delta(index, {"content": rest})] if rest else []
+            for k, call in enumerate(calls):  # as OpenAI streams a call: id and name, then the arguments
+                function = call["function"]
+                chunks.append(_delta(index, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                                             "function": {"name": function["name"],
+                                                                          "arguments": ""}}]}))
+                chunks.append(_delta(index, {"tool_calls": [{"index": k,
+                                                             "function": {"arguments": function["arguments"]}}]}))
+            return [*chunks, _delta(index, {}, "tool_calls" if calls else reason)]
 
         events = sse_completion_events(
             head=head,
@@ -64,33 +82,35 @@ async def chat_completions(request: Request) -> Response:
             # OpenAI opens every chat stream with the role and an empty content.
             opening_choice=lambda index: _delta(index, {"role": "assistant", "content": ""}),
             delta_choice=delta_choice,
-            finish_choice=lambda index, reason: _delta(index, {}, reason),
+            finish_choice=finish_choice,
         )
         return EventStreamResponse(events)
 
     done = await collect(request, streams)
-    return JSONResponse(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": engine.model_id,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": d.text},
-                    "logprobs": chat_logprobs(texts, d.logprobs),
-                    "finish_reason": d.finish_reason,
-                }
-                for i, d in enumerate(done)
-            ],
-            "usage": usage([d.last for d in done]),
-        }
-    )
+    choices = []
+    for i, d in enumerate(done):
+        message, reason = _message(req, d.text, d.finish_reason)
+        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(texts, d.logprobs),
+                        "finish_reason": reason})
+    return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": engine.model_id,
+                         "choices": choices, "usage": usage([d.last for d in done])})
+
+
+def _message(req: ChatRequest, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+    """A whole choice's message and finish_reason: its tool calls, when the request has tools and the text holds
+    some (OpenAI then says "tool_calls" and content is null unless text came before the calls)."""
+    parsed = parse_tool_calls(text, req.tools.names) if req.tools is not None else None
+    if parsed is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = parsed
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
 def _render_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:
-    ids = chat_prompt_ids(tokenizer, req.messages, True, req.chat_template_kwargs)
+    # a template that writes `tools` itself gets them; for one that does not, they go in a system turn
+    template = getattr(tokenizer, "chat_template", None)
+    messages, extra = prompt_messages(req.messages, req.tools, bool(getattr(template, "writes_tools", False)))
+    ids = chat_prompt_ids(tokenizer, messages, True, {**req.chat_template_kwargs, **extra})
     if not ids:
         raise bad_request("The rendered prompt is empty", param="messages")
     return ids

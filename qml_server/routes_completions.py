@@ -61,7 +61,7 @@ async def completions(request: Request) -> Response:
             streams=streams,
             include_usage=req.include_usage,
             delta_choice=delta_choice,
-            finish_choice=lambda index, reason: _choice(index, "", reason),
+            finish_choice=lambda index, reason: [_choice(index, "", reason)],
         )
         return EventStreamResponse(events)
 

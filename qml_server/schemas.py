@@ -2,7 +2,7 @@
 
 Policy on fields: a field we implement is type-checked; a field we know but do not
 implement is accepted only at its neutral value (``echo: false``, ``best_of: 1``,
-``tools: []``...) and otherwise rejected with 400, so a client never silently gets
+``functions: []``...) and otherwise rejected with 400, so a client never silently gets
 something other than what it asked for. A field nobody defines is logged and
 ignored, as vLLM and llama.cpp do (clients and SDKs add fields of their own); a
 few known fields that cannot change the output (``user``, ``metadata``, ``store``,
@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from qml_runtime.constrained import ANY_JSON_OBJECT
 from qml_runtime.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from qml_server.errors import bad_request, context_length_exceeded, invalid_type, missing_field, model_not_found
 from qml_server.fields import (
@@ -31,13 +32,14 @@ from qml_server.fields import (
     str_list,
     token_ids,
 )
+from qml_server.tools import ToolUse, parse_tool_use, schema_grammar, tool_call_grammar
 
 log = logging.getLogger("qml.server")
 
 # Fields that cannot change what is generated; kept so clients that always send them work.
 # (`user` is also read: it names the conversation, see generation.start_generation.)
 IGNORED_FIELDS = frozenset(
-    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 )
 
 
@@ -66,11 +68,8 @@ def _is(*neutral: Any) -> Neutral:
 # Known, not implemented: field -> (the values it is accepted at, what to tell the client otherwise).
 _NOT_YET = "is not supported yet"
 UNSUPPORTED_CHAT: dict[str, tuple[Neutral, str]] = {
-    "tools": (_is([]), _NOT_YET + " (no tool calling)"),
-    "tool_choice": (_is("none"), _NOT_YET + " (no tool calling)"),
-    "functions": (_is([]), _NOT_YET + " (no tool calling)"),
-    "function_call": (_is("none"), _NOT_YET + " (no tool calling)"),
-    "response_format": (_is({"type": "text"}), _NOT_YET + " (no structured output)"),
+    "functions": (_is([]), _NOT_YET + " (the deprecated form: send 'tools')"),
+    "function_call": (_is("none"), _NOT_YET + " (the deprecated form: send 'tool_choice')"),
     "modalities": (_is(["text"]), _NOT_YET + " (text only)"),
     "audio": (_is(), _NOT_YET + " (text only)"),
     "prediction": (_is(), _NOT_YET),
@@ -87,10 +86,12 @@ MAX_CHOICES = 16  # n: each choice is a sequence of its own in the engine's batc
 # cache_salt (as in vLLM): requests with different salts never share cached KV pages
 _GENERAL = {"model", "stream", "stream_options", "cache_salt", "n", "logprobs"}
 _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+             "response_format"}
 # The fields each body implements (type-checked, used); qml_server.openapi documents each one.
 CHAT_FIELDS = frozenset(
-    _GENERAL | _SAMPLING | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs"}
+    _GENERAL | _SAMPLING | {"messages", "max_completion_tokens", "chat_template_kwargs", "top_logprobs", "tools",
+                            "tool_choice", "parallel_tool_calls"}
 )
 COMPLETION_FIELDS = frozenset(_GENERAL | _SAMPLING | {"prompt"})
 TOKENIZE_FIELDS = frozenset(
@@ -126,6 +127,7 @@ class Sampling:
     min_tokens: int = 0
     logprobs: int | None = None  # top alternatives per token; None: no logprobs at all
     n: int = 1
+    grammar: str | None = None  # the output's grammar (response_format, or a forced tool call)
 
     def to_params(self, max_tokens: int) -> SamplingParams:
         # SamplingParams checks ranges itself and raises InvalidParameter(param, message),
@@ -146,6 +148,7 @@ class Sampling:
             logit_bias=self.logit_bias,
             min_tokens=self.min_tokens,
             logprobs=self.logprobs,
+            grammar=self.grammar,
         )
 
 
@@ -159,6 +162,7 @@ class ChatRequest:
     user: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     cache_salt: str | None = None
+    tools: ToolUse | None = None  # None: no tools, or tool_choice "none"
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,12 @@ def parse_chat_request(body: JsonObject) -> ChatRequest:
         sampling = replace(sampling, logprobs=top or 0)
     elif top is not None:
         raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    tools = parse_tool_use(body)
+    if tools is not None and tools.forced:
+        if sampling.grammar is not None:
+            raise bad_request("'response_format' cannot be combined with a 'tool_choice' that forces a call: both "
+                              "would constrain the whole output", param="response_format")
+        sampling = replace(sampling, grammar=tool_call_grammar(tools))
     stream, include_usage = _parse_stream(body)
     return ChatRequest(
         model=opt_str(body, "model"),
@@ -213,6 +223,7 @@ def parse_chat_request(body: JsonObject) -> ChatRequest:
         user=opt_str(body, "user"),
         chat_template_kwargs=_template_kwargs(body),
         cache_salt=opt_str(body, "cache_salt"),
+        tools=tools,
     )
 
 
@@ -340,7 +351,44 @@ def _parse_sampling(body: JsonObject) -> Sampling:
         logit_bias=_logit_bias(body),
         min_tokens=_or(_opt_range(body, "min_tokens", 0, None), 0),
         n=_or(_opt_range(body, "n", 1, MAX_CHOICES), 1),
+        grammar=_response_format_grammar(body),
     )
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _response_format_grammar(body: JsonObject) -> str | None:
+    """The grammar ``response_format`` asks for (None for plain text). ``strict`` is accepted and
+    changes nothing: the schema is always enforced."""
+    value = opt_object(body, "response_format")
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind is None:
+        raise missing_field("response_format.type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return schema_grammar(ANY_JSON_OBJECT, "response_format")
+    if kind != "json_schema":
+        raise bad_request(f"'response_format.type' must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}",
+                          param="response_format.type")
+    spec = value.get("json_schema")
+    if spec is None:
+        raise missing_field("response_format.json_schema")
+    if not isinstance(spec, dict):
+        raise invalid_type("response_format.json_schema", "an object", spec)
+    for key, wanted, expected in (("name", str, "a string"), ("description", str, "a string"),
+                                  ("strict", bool, "a boolean")):
+        if spec.get(key) is not None and not isinstance(spec[key], wanted):
+            raise invalid_type(f"response_format.json_schema.{key}", expected, spec[key])
+    schema = spec.get("schema")
+    if schema is None:
+        raise missing_field("response_format.json_schema.schema")
+    if not isinstance(schema, dict):
+        raise invalid_type("response_format.json_schema.schema", "an object (a JSON Schema)", schema)
+    return schema_grammar(schema, "response_format.json_schema.schema")
 
 
 def _opt_range(body: JsonObject, name: str, low: int, high: int | None) -> int | None:

@@ -17,6 +17,7 @@ class Seq:
         self.num_prompt_tokens = len(prompt)
         self.params = params
         self.logits_slot = None
+        self.grammar = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""n, logprobs, penalties, logit_bias and min_tokens on the real model (SmolLM2, CPU): the engine,
+"""n, logprobs, penalties, logit_bias, min_tokens and a grammar on the real model (SmolLM2, CPU): the engine,
 the CUDA-graph static-buffer path (run eagerly), and both HTTP endpoints, raw and through the
 official openai client. Every generation is a few tokens."""
 
@@ -13,6 +13,7 @@ from starlette.testclient import TestClient
 
 from qml_kernels.attention import AttentionMetadata
 from qml_runtime.config import CacheConfig, SchedulerConfig
+from qml_runtime.constrained import json_schema_grammar
 from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
 from qml_runtime.engine import Engine
 from qml_runtime.kv.cache import KVCache
@@ -120,11 +121,14 @@ def test_graph_path_takes_the_logits_out_for_processed_rows(engine):
     """Decode batches through the CUDA graphs' static buffers (run eagerly on the CPU): rows that
     need processing or logprobs are sampled outside the graph from its logits, beside plain rows,
     with the same tokens and logprobs as the plain engine."""
-    ids = [prompt(engine, [{"role": "user", "content": "Name a fruit."}]), prompt(engine, REPEATS), prompt(engine)]
+    ids = [prompt(engine, [{"role": "user", "content": "Name a fruit."}]), prompt(engine, REPEATS), prompt(engine),
+           prompt(engine, [{"role": "user", "content": "Describe a person."}])]
+    person = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     forced = engine.tokenizer.encode("banana", add_special_tokens=False)[0]
     params = [SamplingParams(max_tokens=6, temperature=0.8, seed=1),
               SamplingParams(max_tokens=6, temperature=0, logprobs=2, frequency_penalty=2.0, presence_penalty=2.0),
-              SamplingParams(max_tokens=6, temperature=0, logit_bias=((forced, 100.0),), min_tokens=6)]
+              SamplingParams(max_tokens=6, temperature=0, logit_bias=((forced, 100.0),), min_tokens=6),
+              SamplingParams(max_tokens=6, temperature=0, grammar=json_schema_grammar(person))]
     results = {}
     for graphs in (False, True):
         eng = Engine(engine.model, engine.tokenizer, engine.model_config, model_id="t", device=engine.device,
@@ -140,15 +144,16 @@ def test_graph_path_takes_the_logits_out_for_processed_rows(engine):
             eng.runner.graphs.run = lambda seqs: calls.append(len(seqs)) or run(seqs)
         eng.start()
         try:
-            with cf.ThreadPoolExecutor(3) as pool:
+            with cf.ThreadPoolExecutor(4) as pool:
                 results[graphs] = list(pool.map(lambda a: eng.generate_sync(*a), zip(ids, params)))
         finally:
             eng.shutdown()
         if graphs:
             assert calls and max(calls) > 1, "no batched decode step went through the graph path"
-    penalized, biased = results[True][1], results[True][2]
+    penalized, biased, constrained = results[True][1:]
     unpenalized = engine.generate_sync(ids[1], SamplingParams(max_tokens=6, temperature=0))
     assert penalized.token_ids != unpenalized.token_ids and biased.token_ids == [forced] * 6
+    assert constrained.text.startswith('{"name": "')  # the grammar's mask: the model alone answers in words
     eos = engine.tokenizer.eos_token_ids
     kept = penalized.token_ids[:-1] if penalized.token_ids[-1] in eos else penalized.token_ids  # EOS: no entry
     assert [lp.token_id for lp in penalized.logprobs] == kept

@@ -222,7 +222,8 @@ def test_running_prefills_scale_the_curve():
 
 
 @given(st.lists(st.sampled_from(["host", "disk"]), max_size=60),
-       st.lists(st.tuples(st.integers(16, 40_000), st.floats(1e-4, 5.0)), min_size=1, max_size=6, unique_by=lambda p: p[0]),
+       st.lists(st.tuples(st.integers(16, 40_000), st.floats(1e-4, 5.0)), min_size=1, max_size=6,
+                unique_by=lambda p: p[0]),
        st.floats(1e8, 1e11), st.floats(1e7, 1e10), st.integers(0, 30_000))
 @settings(max_examples=200, deadline=None)
 def test_with_any_curve_the_plan_is_never_slower_than_recomputing(tiers, curve, host, disk, start):

@@ -57,7 +57,7 @@ FUZZ_SETTINGS = settings(
 
 @pytest.fixture(scope="module")
 def fake() -> FakeEngine:
-    return FakeEngine()
+    return FakeEngine(context_length=2048)  # room for the system turn that lists tools
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,7 @@ KNOWN_NAMES = sorted(
     CHAT_FIELDS | COMPLETION_FIELDS | TOKENIZE_FIELDS | DETOKENIZE_FIELDS | IGNORED_FIELDS
     | set(UNSUPPORTED_CHAT) | set(UNSUPPORTED_COMPLETION)
     | {"role", "content", "type", "text", "name", "tool_calls", "include_usage", "include_obfuscation"}
+    | {"json_schema", "schema", "strict", "function", "parameters", "description"}
 )
 field_names = st.sampled_from(KNOWN_NAMES) | texts
 json_values = st.recursive(
@@ -123,9 +124,15 @@ messages = st.lists(
     max_size=4,
 )
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                   "properties": {"x": {"type": "integer"}}}}}
 VALID = {
     CHAT: [{"model": "fake-model", "messages": HELLO, "max_tokens": 8},
-           {"messages": HELLO, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}],
+           {"messages": HELLO, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0},
+           {"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {
+               "name": "n", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}}},
+           {"messages": HELLO, "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False,
+            "stream": True}],
     COMPLETIONS: [{"model": "fake-model", "prompt": "Hi", "max_tokens": 8},
                   {"prompt": [72, 105], "stream": True, "seed": 3, "stop": ["x"]}],
     TOKENIZE: [{"prompt": "Hi"}, {"messages": HELLO, "add_generation_prompt": False}],
@@ -180,7 +187,11 @@ raw_bodies = (
 # or on the model's chat template, and min_tokens over max_tokens (which may be the room
 # the prompt leaves), none of which a schema can express.
 SEMANTIC_REFUSALS = ("This model's maximum context length", "The chat template rejected",
-                     "The prompt is empty", "The rendered prompt is empty", "min_tokens (")
+                     "The prompt is empty", "The rendered prompt is empty", "min_tokens (",
+                     # a JSON schema that does not compile, and tool names that must match each other
+                     "Invalid JSON schema in", "The tools' schemas are too complex", "Duplicate function name",
+                     "'tool_choice' names the function", "'tool_choice' 'required' needs",
+                     "'response_format' cannot be combined")
 
 
 def check_error_shape(r: httpx.Response) -> dict:
