@@ -35,6 +35,9 @@ log = logging.getLogger("qml.warmup")
 # of the cuDNN threshold (4,096), up to the longest prompt prefilled in one step
 FRESH_SIZES = (1500, 2048, 4100, 8192, 16384, 32768)
 CHUNK = 1999
+# also timed (not needed for compiling: the prefill graphs cover them): a short prompt's time is
+# mostly fixed costs, which the curve would otherwise extrapolate away
+TIMED_SHORT = (128, 512)
 
 
 def _sync(device: torch.device) -> None:
@@ -42,7 +45,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK) -> list[tuple[int, float]]:
+def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK,
+            timed_short: tuple[int, ...] = TIMED_SHORT) -> list[tuple[int, float]]:
     """Run the eager paths once, then time fresh prefills; returns [(tokens, seconds)] and hands
     the curve to the restore planner. Call before the engine loop starts (it uses the runner and
     the block pool directly)."""
@@ -90,7 +94,8 @@ def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK) ->
                 blocks.release(seq.block_table)
             held = []
             curve = []
-            for n in sizes:  # second pass: the time of a fresh prefill, compiled
+            timed = sorted({n for n in timed_short if n < sizes[0]} | set(sizes))
+            for n in timed:  # second pass: the time of a fresh prefill, compiled
                 _sync(device)
                 t0 = time.perf_counter()
                 seq = fresh(n)

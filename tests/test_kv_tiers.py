@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from qml_runtime.config import CacheConfig, SchedulerConfig
@@ -192,3 +194,40 @@ def test_a_writer_too_far_behind_skips_write_through_and_serving_goes_on(engine,
     finally:
         eng.shutdown()
     assert not list(tmp_path.rglob("*.kvb"))
+
+
+def test_a_first_measurement_replaces_the_guess_and_only_measurements_are_saved():
+    planner = RestorePlanner()
+    assert planner.rates() == {}
+    planner.observe("disk", 1.2e9, 1.0)
+    assert planner.disk_bytes_per_s == pytest.approx(1.2e9)  # not averaged with the 0.5 GB/s guess
+    planner.observe("disk", 2.2e9, 1.0)
+    assert planner.disk_bytes_per_s == pytest.approx(0.8 * 1.2e9 + 0.2 * 2.2e9)
+    assert set(planner.rates()) == {"disk_bytes_per_s"}
+    fixed = RestorePlanner(alpha=0.0, disk_bytes_per_s=7.0)
+    fixed.observe("disk", 1e9, 1.0)
+    assert fixed.disk_bytes_per_s == 7.0
+
+
+def test_a_restart_on_a_store_with_no_measured_disk_rate_probes_the_disk(engine, expected, tmp_path, monkeypatch):
+    import qml_runtime.kv.tiers as tiers
+
+    monkeypatch.setattr(tiers, "PROBE_MIN_BLOCKS", 2)  # the small model's conversation leaves a few blocks
+    first = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    try:
+        turns(first)
+    finally:
+        first.shutdown()
+    assert len(first.tiers.disk) >= 2
+    assert "disk_bytes_per_s" not in first.tiers.planner.rates()  # it never read: nothing measured to keep
+    restarted = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    try:
+        for _ in range(200):  # the probe runs on its own thread
+            if "disk_bytes_per_s" in restarted.tiers.planner.measured:
+                break
+            time.sleep(0.01)
+        assert "disk_bytes_per_s" in restarted.tiers.planner.measured
+        assert restarted.tiers.planner.disk_bytes_per_s != RestorePlanner().disk_bytes_per_s
+        assert len(restarted.tiers.disk) == len(first.tiers.disk)  # the probe read; it removed nothing
+    finally:
+        restarted.shutdown()

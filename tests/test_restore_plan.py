@@ -235,7 +235,7 @@ def test_with_any_curve_the_plan_is_never_slower_than_recomputing(tiers, curve, 
 
 def test_rates_survive_a_restart_and_bad_files_are_ignored(engine, tmp_path):
     first = sibling(engine, tmp_path)
-    first.tiers.planner.disk_bytes_per_s = 1.23e9
+    first.tiers.planner.observe("disk", 1.23e9, 1.0)
     first.shutdown()
     second = sibling(engine, tmp_path)
     try:

@@ -69,3 +69,10 @@ def test_warm_up_with_one_size_then_serves(engine, tmp_path):
         assert eng.generate_sync(prompt, GREEDY).token_ids == engine.generate_sync(prompt, GREEDY).token_ids
     finally:
         eng.shutdown()
+
+
+def test_short_prompts_are_timed_too(engine, tmp_path):
+    eng = fresh_engine(engine, tmp_path)
+    curve = warm_up(eng, sizes=(100,), chunk=24, timed_short=(20, 50, 400))
+    assert [n for n, _ in curve] == [20, 50, 100]  # those shorter than the compiled sizes
+    eng.tiers.close()

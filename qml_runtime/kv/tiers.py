@@ -48,6 +48,8 @@ MAX_BATCH_PAGES = 512  # pages per gathered copy: bounds the GPU staging buffer 
 MAX_PENDING_WRITE_BYTES = 4 << 30  # gathered pages waiting for the disk writer; past it a persist is skipped
 BOUNCE_PAGES = 64  # the writer's pinned buffer between GPU staging and files (128 MiB at 2 MiB pages)
 LOADER_THREADS = 4  # parallel block reads: an NVMe drive wants several requests in flight
+PROBE_BYTES = 64 << 20  # the start-up disk probe reads this much (~50 ms at 1.4 GB/s)
+PROBE_MIN_BLOCKS = 8
 
 
 @dataclass
@@ -91,11 +93,19 @@ class RestorePlanner:
     prefill_curve: list = field(default_factory=list)
     prefill_scale: float = 1.0
 
+    # the rates that are measurements (here or by an earlier run), not the guesses above: a first
+    # measurement replaces a guess, later ones are averaged in
+    measured: set = field(default_factory=set)
+
     def observe(self, kind: str, amount: float, seconds: float) -> None:
         if seconds <= 0 or amount <= 0:
             return
         attr = {"prefill": "prefill_tokens_per_s", "host": "host_bytes_per_s", "disk": "disk_bytes_per_s"}[kind]
-        setattr(self, attr, (1 - self.alpha) * getattr(self, attr) + self.alpha * amount / seconds)
+        if self.alpha == 0:  # rates held fixed (tests, experiments)
+            return
+        alpha = self.alpha if attr in self.measured else 1.0
+        setattr(self, attr, (1 - alpha) * getattr(self, attr) + alpha * amount / seconds)
+        self.measured.add(attr)
 
     def observe_prefill(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
         """A step that computed ``chunks`` [(cached context, new tokens)] took ``seconds``. Only
@@ -133,8 +143,8 @@ class RestorePlanner:
         return self.prefill_scale * (self.fresh_seconds(start + tokens) - self.fresh_seconds(start))
 
     def rates(self) -> dict:
-        return {"host_bytes_per_s": self.host_bytes_per_s, "disk_bytes_per_s": self.disk_bytes_per_s,
-                "prefill_tokens_per_s": self.prefill_tokens_per_s}
+        """The measured rates (a guess saved would read as a measurement at the next start)."""
+        return {key: getattr(self, key) for key in sorted(self.measured)}
 
     def load_rates(self, saved: dict) -> None:
         """Rates measured by an earlier run on this machine (the disk store keeps them): better
@@ -143,6 +153,7 @@ class RestorePlanner:
             value = saved.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
                 setattr(self, key, float(value))
+                self.measured.add(key)
 
     def worth_restoring(self, tier: str, block_bytes: int, block_tokens: int, start: int = 0) -> bool:
         rate = self.host_bytes_per_s if tier == "host" else self.disk_bytes_per_s
@@ -241,6 +252,8 @@ class KVTiers:
         self._writer = self._loader = None
         if disk is not None:
             self._load_rates()
+            if "disk_bytes_per_s" not in self.planner.measured and len(disk) >= PROBE_MIN_BLOCKS:
+                threading.Thread(target=self._probe_disk, name="qml-kv-probe", daemon=True).start()
             self._writer = threading.Thread(target=self._write_loop, name="qml-kv-writer", daemon=True)
             self._writer.start()
             self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="qml-kv-loader")
@@ -418,6 +431,30 @@ class KVTiers:
             self.planner.load_rates(saved)
             log.info("restore planner: rates from the last run: host %.1f GB/s, disk %.2f GB/s",
                      self.planner.host_bytes_per_s / 1e9, self.planner.disk_bytes_per_s / 1e9)
+
+    def _probe_disk(self) -> None:
+        """No measured disk rate yet (a first start on a store written by an older run, or one that never
+        read): read a few of the oldest blocks cold, as many at once as a restore does, and measure.
+        The default guess is conservative; a restore planned on it recomputes what the disk could
+        have brought in faster (H200: 0.5 GB/s guessed, 1.1-1.5 GB/s measured)."""
+        names = self.disk.probe_names(PROBE_BYTES)
+        parts = [names[i::LOADER_THREADS] for i in range(LOADER_THREADS)]
+        done = [0] * len(parts)
+
+        def read(i: int) -> None:
+            done[i] = sum(self.disk.cold_read(name) for name in parts[i])
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(parts))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        seconds = time.perf_counter() - t0
+        if sum(done) and "disk_bytes_per_s" not in self.planner.measured:  # a restore may have measured first
+            self.planner.observe("disk", sum(done), seconds)
+            log.info("restore planner: disk read %.2f GB/s (probe: %d blocks read cold in %.1f ms)",
+                     self.planner.disk_bytes_per_s / 1e9, len(names), seconds * 1e3)
 
     def save_rates(self) -> None:
         if self.disk is None:
