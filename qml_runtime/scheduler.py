@@ -64,7 +64,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(self._computable(seq), budget)
+            n = self._fit(self._computable(seq), budget, batch)
             if n == 0:
                 continue  # waiting for blocks to stream in
             if not self._reserve(seq, n, batch):
@@ -74,7 +74,7 @@ class Scheduler:
         budget = limit - sum(batch.num_tokens)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = self._admit(seq, budget)
+            n = self._admit(seq, budget, self._decode_rows(batch))
             if n is None:
                 break  # keep arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -85,6 +85,18 @@ class Scheduler:
                 batch.num_tokens.append(n)
                 budget -= n
         return batch
+
+    @staticmethod
+    def _decode_rows(batch: ScheduledBatch) -> int:
+        return sum(1 for n in batch.num_tokens if n == 1)
+
+    def _fit(self, want: int, budget: int, batch: ScheduledBatch) -> int:
+        """The chunk a prefill gets: the budget, or all it wants when the decode rows already in the
+        step are what keeps it out. Without this, once k conversations decode, a prompt of exactly
+        the budget is cut into two steps, the second of k tokens (32 x 2,048-token prompts on the
+        H200: TTFT p50 2.1 s, against 0.94 s with 2,000-token prompts). A step grows by at most
+        its decode rows (max_num_seqs)."""
+        return want if want <= budget + self._decode_rows(batch) else budget
 
     def _computable(self, seq: Sequence) -> int:
         """Tokens of ``seq`` that can be computed now: up to where blocks are streaming in, and
@@ -122,9 +134,10 @@ class Scheduler:
             seq.num_cached -= missed * S
             self.prefix_hits -= missed * S
 
-    def _admit(self, seq: Sequence, budget: int) -> int | None:
+    def _admit(self, seq: Sequence, budget: int, slack: int = 0) -> int | None:
         """Put the cached prefix of ``seq`` under it and pages for it; returns the first chunk's token
         count (0: it first waits for blocks streaming in), or None if it does not fit (it waits).
+        The chunk is ``budget`` tokens, or up to ``slack`` more when that ends the prompt (``_fit``).
 
         The prefix is the run of full blocks found on GPU pages, continued by blocks found in host
         RAM or on disk, as the restore plan says: copied in now (host), recomputed, or streamed in
@@ -170,7 +183,8 @@ class Scheduler:
             self.prefix_hits += seq.num_cached
         # a failed restore leaves more to compute than planned: the chunk stops where pages run out
         room = (len(seq.block_table) + self.blocks.num_free) * S - computed
-        n = min(self._computable(seq), budget, room)
+        want = self._computable(seq)
+        n = min(want if want <= budget + slack else budget, room)
         if n <= 0 and seq.pending_load is None:
             self.blocks.release(seq.block_table)  # named pages stay cached: the next try finds them
             seq.block_table = []

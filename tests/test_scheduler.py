@@ -98,3 +98,26 @@ def test_a_lone_request_gets_the_larger_budget_until_another_arrives():
 
 def test_max_tokens_alone_zero_means_the_shared_budget():
     assert SchedulerConfig(max_batched_tokens=64).budget(1) == 64
+
+
+def test_decode_rows_do_not_cut_a_prompt_that_fits_the_budget_into_two_steps():
+    """32 conversations of 2,048-token prompts under a 2,048-token budget: once some decode, each
+    later prompt must still be prefilled in one step, not 2,048 - k then k."""
+    sched = Scheduler(SchedulerConfig(max_batched_tokens=64, max_num_seqs=8), BlockManager(64, 16))
+    a, b = seq("a", 64), seq("b", 64)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.seqs == [a] and batch.num_tokens == [64]
+    run_step(batch)  # a decodes from now on
+    batch = sched.schedule()
+    assert batch.seqs == [a, b] and batch.num_tokens == [1, 64]  # 65 tokens: one over, for a's row
+    run_step(batch)
+    # longer than the budget plus the decode rows: chunked at the budget as before
+    c = seq("c", 100)
+    sched.add(c)
+    batch = sched.schedule()
+    assert batch.seqs == [a, b, c] and batch.num_tokens == [1, 1, 62]
+    run_step(batch)
+    batch = sched.schedule()
+    assert batch.num_tokens == [1, 1, 38]
