@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from qml_runtime.config import SchedulerConfig
 from qml_runtime.kv.block_manager import BlockManager
-from qml_runtime.kv.prefix import ROOT, block_hash
+from qml_runtime.kv.prefix import ROOT, block_hash, chain
 from qml_runtime.kv.tiers import KVTiers
 from qml_runtime.sequence import Sequence, Status
 
@@ -209,13 +209,23 @@ class Scheduler:
         """Pages holding the longest cached run of ``seq``'s full blocks, at least one token short of
         the end (the last token must be computed to give the logits of the next one)."""
         pages = []
-        for i in range((seq.num_tokens - 1) // self.blocks.block_size):
+        full = (seq.num_tokens - 1) // self.blocks.block_size
+        self._name_blocks(seq, full)  # all at once: each is needed by now or at commit
+        for i in range(full):
             name, tokens = self._name(seq, i)
             page = self.blocks.lookup(name, tokens)
             if page is None:
                 break
             pages.append(page)
         return pages
+
+    def _name_blocks(self, seq: Sequence, n: int) -> None:
+        """Name the first ``n`` full blocks of ``seq`` (those not named yet), in one pass."""
+        have = len(seq.block_names)
+        if have < n:
+            S = self.blocks.block_size
+            seq.block_names.extend(chain(seq.token_ids[:n * S], S, self.fingerprint, seq.salt,
+                                         start=seq.block_names[-1] if have else ROOT, first_block=have))
 
     def _name(self, seq: Sequence, i: int) -> tuple[bytes, tuple[int, ...]]:
         """Content name and tokens of full block ``i`` of ``seq`` (names are computed once, in order)."""

@@ -163,3 +163,21 @@ def test_session_pages_are_evicted_last():
     sched.add(hit)
     sched.schedule()
     assert hit.num_cached == 32
+
+
+def test_chain_names_blocks_as_block_hash_does_from_any_starting_block():
+    import random
+
+    from qml_runtime.kv.prefix import ROOT, block_hash, chain
+
+    rng = random.Random(3)
+    tokens = [rng.randrange(2**31) for _ in range(16 * 9 + 5)]  # 9 full blocks and a partial one
+    fp, salt = bytes(range(32)), b"tenant-a"
+    one_by_one, parent = [], ROOT
+    for i in range(9):
+        parent = block_hash(parent, tokens[i * 16:(i + 1) * 16], fp, salt)
+        one_by_one.append(parent)
+    assert chain(tokens, 16, fp, salt) == one_by_one
+    assert chain(tokens, 16, fp, salt, start=one_by_one[3], first_block=4) == one_by_one[4:]
+    assert chain(tokens, 16, fp, salt, start=one_by_one[-1], first_block=9) == []
+    assert chain(tokens, 16, fp, b"tenant-b") != one_by_one  # the salt is in every link
