@@ -17,16 +17,28 @@ Three ops, run around the grouped GEMM of ``qml_kernels.moe_gemm``:
   the host, ``padded_rows(T·k, E, block_size)``, so no step waits on the device to size a
   buffer (CUDA graphs need that); entries past ``offsets[E]`` are -1 and no GEMM tile reads them.
 - ``moe_combine``: per-pair expert outputs ``[T·k, D]`` (pair order, as the grouped GEMM writes
-  them) and the weights -> ``out[t] = sum_j weights[t, j] · y[t·k + j]`` in fp32, in slot order
-  (deterministic: no atomics).
+  them) and the weights -> ``out[t] = sum_j weights[t, j] · y[t·k + j]`` in fp32 (deterministic:
+  a fixed order of the sum, no atomics).
 
 Traffic: the router reads ``T·E`` logits and writes ``2·T·k`` values; the alignment reads the
-``T·k`` ids twice and writes ``R + E + 1 + T·k`` integers; the combine reads ``T·k·D`` and
+``T·k`` ids twice and writes ``R + E + 1 + T·k`` integers (plus, past one program, a table of
+``(chunks + 1)·E`` counts that stays in L2); the combine reads ``T·k·D`` and
 writes ``T·D`` elements. All three are memory-bound (and small next to the expert GEMMs).
 
 The alignment runs as one program (two passes over the ids: a histogram, then a running count
-per expert), which is enough at decode and mid-size prefills; at ``T·k`` in the tens of
-thousands a multi-program histogram would be the next step.
+per expert) only while the pairs fit in a couple of chunks: one launch, which is what decode
+needs. That single program took 56 us at 128 tokens and 3.36 ms at 8,192 tokens on the H200
+(Qwen3-30B-A3B, 65,536 pairs: 161 ms of an 8,890-token prompt's 48 layers, against a 398 ms
+TTFT). Past it, three launches of a program per chunk: a histogram per chunk, a scan over the
+chunks per expert, a scatter; no atomics, so the grouping is the same on every run. Both paths
+write the padding rows themselves (no fill before them: one launch fewer).
+
+The combine took 28.3 us on the H200 at one token and 32 us at 128 (32 KB and 4 MB read), against
+79 us for 268 MB at 8,192: a fixed cost that its bytes do not explain. Its loop of k loads compiled
+(Triton 3.6, sm_90a) to two rounds of requests, the last rows' loads issued only after arithmetic
+on the first, in 2 programs of 1,024 columns at one token. Now the k rows are one 2-D load, all
+requests issued before the first use, and few tokens get narrower column blocks (8 programs at
+one token, D=2048), so a token's combine is one memory latency spread over 8 SMs.
 
 Sources: the Qwen3-MoE router as in transformers' Qwen2Moe/Qwen3Moe code (softmax in fp32,
 top-k, renormalise when ``norm_topk_prob``); block-aligned expert grouping as described for
@@ -61,8 +73,11 @@ class MoERoutingConfig:
     """Launch tunables of the three routing kernels."""
 
     router_rows: int = 4  # tokens per router program
-    align_chunk: int = 0  # pairs per step of the alignment loop; 0: a [chunk, E] tile of ~8192 values
-    combine_block_d: int = 1024  # output columns per combine program
+    align_chunk: int = 0  # pairs per one-hot tile of the alignment; 0: a [chunk, E] tile of ~8192 values
+    # one program (one launch, a serial loop over the chunks) up to this many chunks of pairs; past it,
+    # three launches with a program per chunk (at E=128, 2 chunks: 128 pairs, 16 tokens of top-8)
+    align_one_program_chunks: int = 2
+    combine_block_d: int = 1024  # output columns per combine program (at most; fewer when T is small)
     num_warps: int = 4
 
     def __post_init__(self):
@@ -72,6 +87,9 @@ class MoERoutingConfig:
                 raise ValueError(f"MoERoutingConfig.{name} must be a power of 2, got {value}")
         if self.align_chunk and (self.align_chunk < 16 or self.align_chunk & (self.align_chunk - 1)):
             raise ValueError(f"MoERoutingConfig.align_chunk must be 0 or a power of 2 >= 16, got {self.align_chunk}")
+        if self.align_one_program_chunks < 0:
+            raise ValueError(f"MoERoutingConfig.align_one_program_chunks must be >= 0, got "
+                             f"{self.align_one_program_chunks}")
 
 
 # -- router ---------------------------------------------------------------------------------
@@ -158,44 +176,143 @@ def moe_router_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
 
 
 # -- alignment: pairs grouped by expert -----------------------------------------------------
+#
+# Small T: one program, two passes over the ids (a histogram, then a running count per expert);
+# one launch, which is what decode needs. Large T: three launches, each over the pairs cut into
+# chunks of BLOCK_P, every chunk its own program, with no atomics (so the result is the same on
+# every run): a histogram per chunk -> per expert, the pairs of its own in the chunks before each
+# chunk (a scan over the chunks) -> each chunk scatters its pairs after those. Both paths write
+# every row of sorted_pairs, padding included, so no fill runs before them.
+
+@triton.jit
+def _segments(counts, ALIGN: tl.constexpr):
+    """Per-expert pair counts [BLOCK_E] -> (first row, end row) of each expert's padded segment."""
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    ends = tl.cumsum(padded, axis=0)
+    return ends - padded, ends
+
+
+@triton.jit
+def _write_offsets_and_padding(sorted_pairs_ptr, offsets_ptr, starts, ends, counts, E,
+                               ALIGN: tl.constexpr, BLOCK_E: tl.constexpr, PAD_COLS: tl.constexpr):
+    """offsets [E+1], and -1 in each segment's rows past its pairs (fewer than ALIGN per expert)."""
+    experts = tl.arange(0, BLOCK_E)
+    tl.store(offsets_ptr + experts + 1, ends, mask=experts < E)
+    tl.store(offsets_ptr + experts, tl.zeros([BLOCK_E], dtype=tl.int32), mask=experts == 0)
+    filled = starts + counts  # [BLOCK_E]: first padding row of each segment
+    cols = tl.arange(0, PAD_COLS)
+    for j in range(0, ALIGN, PAD_COLS):
+        rows = filled[:, None] + j + cols[None, :]  # [BLOCK_E, PAD_COLS]
+        tl.store(sorted_pairs_ptr + rows, tl.full([BLOCK_E, PAD_COLS], -1, tl.int32),
+                 mask=(experts[:, None] < E) & (rows < ends[:, None]))
+
+
+@triton.jit
+def _write_tail(sorted_pairs_ptr, used, R, program, num_programs, BLOCK_TAIL: tl.constexpr):
+    """-1 in rows [used, R), past the last segment, shared among the programs."""
+    for first in range(used + program * BLOCK_TAIL, R, num_programs * BLOCK_TAIL):
+        rows = first + tl.arange(0, BLOCK_TAIL)
+        tl.store(sorted_pairs_ptr + rows, tl.full([BLOCK_TAIL], -1, tl.int32), mask=rows < R)
+
+
+@triton.jit
+def _chunk_onehot(ids_ptr, pairs, P, E, BLOCK_E: tl.constexpr):
+    """[BLOCK_P, BLOCK_E] int32: 1 where the pair goes to the expert. An id outside [0, E) matches
+    no expert, so the pair is dropped rather than written to row 0."""
+    e = tl.load(ids_ptr + pairs, mask=pairs < P, other=-1)
+    e = tl.where(e < E, e, -1)
+    return (e[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _scatter_chunk(ids_ptr, sorted_pairs_ptr, inverse_ptr, pairs, next_row, P, E, BLOCK_E: tl.constexpr):
+    """Rows for one chunk of pairs: a pair's row is its expert's next free row (``next_row``
+    [BLOCK_E]) + the pairs of that expert before it in the chunk. Returns the chunk's counts."""
+    onehot = _chunk_onehot(ids_ptr, pairs, P, E, BLOCK_E)  # [BLOCK_P, BLOCK_E]
+    rank = tl.cumsum(onehot, axis=0)  # 1-based rank of each pair within its expert, in this chunk
+    row = tl.sum(onehot * (next_row[None, :] + rank - 1), axis=1)  # [BLOCK_P]
+    ok = tl.sum(onehot, axis=1) > 0
+    tl.store(sorted_pairs_ptr + row, pairs, mask=ok)
+    tl.store(inverse_ptr + pairs, row, mask=ok)
+    return tl.sum(onehot, axis=0)
+
 
 @triton.jit
 def _moe_align_kernel(
-    ids_ptr, sorted_pairs_ptr, offsets_ptr, inverse_ptr, P, E,
-    ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+    ids_ptr, sorted_pairs_ptr, offsets_ptr, inverse_ptr, P, E, R,
+    ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, PAD_COLS: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
 ):
-    experts = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    chunk = tl.arange(0, BLOCK_P)  # [BLOCK_P]
+    chunk = tl.arange(0, BLOCK_P)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, P, BLOCK_P):
-        pairs = start + chunk
-        e = tl.load(ids_ptr + pairs, mask=pairs < P, other=-1)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + ALIGN - 1) // ALIGN * ALIGN  # [BLOCK_E]
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(offsets_ptr + experts + 1, ends, mask=experts < E)
-    tl.store(offsets_ptr + experts, tl.zeros([BLOCK_E], dtype=tl.int32), mask=experts == 0)
+        counts += tl.sum(_chunk_onehot(ids_ptr, start + chunk, P, E, BLOCK_E), axis=0)
+    starts, ends = _segments(counts, ALIGN)
+    _write_offsets_and_padding(sorted_pairs_ptr, offsets_ptr, starts, ends, counts, E, ALIGN, BLOCK_E, PAD_COLS)
+    _write_tail(sorted_pairs_ptr, tl.sum(ends - starts, axis=0), R, 0, 1, BLOCK_TAIL)
     # second pass: a pair's row is its expert's start + the pairs of that expert before it
-    next_row = ends - padded  # [BLOCK_E]
+    next_row = starts
     for start in range(0, P, BLOCK_P):
-        pairs = start + chunk
-        e = tl.load(ids_ptr + pairs, mask=pairs < P, other=-1)
-        onehot = (e[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK_P, BLOCK_E]
-        rank = tl.cumsum(onehot, axis=0)  # 1-based rank of each pair within its expert, in this chunk
-        row = tl.sum(onehot * (next_row[None, :] + rank - 1), axis=1)  # [BLOCK_P]
-        # an id outside [0, E) matches no expert and is dropped rather than written to row 0
-        ok = (pairs < P) & (tl.sum(onehot, axis=1) > 0)
-        tl.store(sorted_pairs_ptr + row, pairs, mask=ok)
-        tl.store(inverse_ptr + pairs, row, mask=ok)
-        next_row += tl.sum(onehot, axis=0)
+        next_row += _scatter_chunk(ids_ptr, sorted_pairs_ptr, inverse_ptr, start + chunk, next_row, P, E, BLOCK_E)
+
+
+@triton.jit
+def _moe_align_count_kernel(ids_ptr, counts_ptr, P, E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """counts[c, e]: the pairs of chunk c that go to expert e. counts: [chunks + 1, E]."""
+    chunk = tl.program_id(0)
+    pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.sum(_chunk_onehot(ids_ptr, pairs, P, E, BLOCK_E), axis=0)
+    tl.store(counts_ptr + chunk * E + experts, counts, mask=experts < E)
+
+
+@triton.jit
+def _moe_align_scan_kernel(counts_ptr, num_chunks, E, BLOCK_C: tl.constexpr):
+    """One program per expert, in place: counts[c, e] -> the pairs of expert e in chunks before c;
+    row ``num_chunks`` gets the expert's total."""
+    expert = tl.program_id(0)
+    before = tl.zeros([BLOCK_C], dtype=tl.int32)  # pairs of this expert in the chunks done so far
+    for first in range(0, num_chunks + 1, BLOCK_C):
+        chunks = first + tl.arange(0, BLOCK_C)
+        ptrs = counts_ptr + chunks * E + expert
+        c = tl.load(ptrs, mask=chunks < num_chunks, other=0)
+        tl.store(ptrs, before + tl.cumsum(c, axis=0) - c, mask=chunks <= num_chunks)
+        before += tl.sum(c, axis=0)
+
+
+@triton.jit
+def _moe_align_scatter_kernel(
+    ids_ptr, counts_ptr, sorted_pairs_ptr, offsets_ptr, inverse_ptr, P, E, R, num_chunks,
+    ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, PAD_COLS: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    # every program derives the segments from the totals (E values: cheaper than a fourth launch)
+    totals = tl.load(counts_ptr + num_chunks * E + experts, mask=experts < E, other=0)
+    before = tl.load(counts_ptr + chunk * E + experts, mask=experts < E, other=0)
+    starts, ends = _segments(totals, ALIGN)
+    if chunk == 0:
+        _write_offsets_and_padding(sorted_pairs_ptr, offsets_ptr, starts, ends, totals, E, ALIGN, BLOCK_E, PAD_COLS)
+    _write_tail(sorted_pairs_ptr, tl.sum(ends - starts, axis=0), R, chunk, num_chunks, BLOCK_TAIL)
+    pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
+    _scatter_chunk(ids_ptr, sorted_pairs_ptr, inverse_ptr, pairs, starts + before, P, E, BLOCK_E)
+
+
+def _align_blocks(num_experts: int, block_size: int, config: MoERoutingConfig) -> dict:
+    """Tile sizes of the alignment kernels: a [chunk, E] one-hot tile of ~8192 values, padding
+    written in [E, PAD_COLS] tiles of at most ~8192 values."""
+    block_e = triton.next_power_of_2(num_experts)
+    return {"BLOCK_P": config.align_chunk or max(16, 8192 // block_e), "BLOCK_E": block_e,
+            "PAD_COLS": min(triton.next_power_of_2(block_size), max(1, 8192 // block_e)), "BLOCK_TAIL": 1024}
 
 
 def moe_align_triton(ids: torch.Tensor, num_experts: int, block_size: int, *,
                      out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                      config: MoERoutingConfig = MoERoutingConfig()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids: [T, k] int32 -> (sorted_pairs [R] int32, expert_offsets [E+1] int32, inverse [T·k] int32),
-    R = ``padded_rows(T·k, E, block_size)``. ``out`` is a triple to write into; its sorted_pairs is
-    refilled with -1 first."""
+    R = ``padded_rows(T·k, E, block_size)``. ``out`` is a triple to write into; every row of its
+    sorted_pairs is rewritten (padding included)."""
     assert ids.dim() == 2 and ids.dtype == torch.int32 and ids.is_contiguous(), \
         f"ids must be contiguous int32 [T, k], got {ids.dtype} {tuple(ids.shape)}"
     assert num_experts >= 1 and block_size >= 1, "num_experts and block_size must be positive"
@@ -210,13 +327,20 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_size: int, *,
                        ("inverse", inverse, P)):
         assert t.shape == (n,) and t.dtype == torch.int32 and t.is_contiguous() and t.device == ids.device, \
             f"out {name} must be contiguous int32 [{n}] on {ids.device}, got {t.dtype} {tuple(t.shape)}"
-    sorted_pairs.fill_(-1)  # padding rows; the kernel writes the real ones
-    block_e = triton.next_power_of_2(num_experts)
-    block_p = config.align_chunk or max(16, 8192 // block_e)
-    _moe_align_kernel[(1,)](
-        ids, sorted_pairs, offsets, inverse, P, num_experts,
-        ALIGN=block_size, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=config.num_warps,
-    )
+    blocks = _align_blocks(num_experts, block_size, config)
+    num_chunks = triton.cdiv(P, blocks["BLOCK_P"])
+    if num_chunks <= config.align_one_program_chunks:
+        _moe_align_kernel[(1,)](ids, sorted_pairs, offsets, inverse, P, num_experts, R,
+                                ALIGN=block_size, **blocks, num_warps=config.num_warps)
+        return sorted_pairs, offsets, inverse
+    counts = torch.empty((num_chunks + 1, num_experts), dtype=torch.int32, device=ids.device)  # [chunks + 1, E]
+    _moe_align_count_kernel[(num_chunks,)](ids, counts, P, num_experts, BLOCK_P=blocks["BLOCK_P"],
+                                           BLOCK_E=blocks["BLOCK_E"], num_warps=config.num_warps)
+    _moe_align_scan_kernel[(num_experts,)](counts, num_chunks, num_experts,
+                                           BLOCK_C=min(1024, triton.next_power_of_2(num_chunks + 1)),
+                                           num_warps=config.num_warps)
+    _moe_align_scatter_kernel[(num_chunks,)](ids, counts, sorted_pairs, offsets, inverse, P, num_experts, R,
+                                             num_chunks, ALIGN=block_size, **blocks, num_warps=config.num_warps)
     return sorted_pairs, offsets, inverse
 
 
@@ -244,17 +368,29 @@ def moe_align_ref(ids: torch.Tensor, num_experts: int,
 @triton.jit
 def _moe_combine_kernel(
     y_ptr, weights_ptr, out_ptr, D, stride_y, stride_out,
-    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols < D
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        w = tl.load(weights_ptr + pair)
-        acc += w * tl.load(y_ptr + pair * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    slots = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    pairs = token * TOP_K + slots
+    w = tl.load(weights_ptr + pairs, mask=slots < TOP_K, other=0.0)  # [BLOCK_K]
+    # the k rows in one [BLOCK_K, BLOCK_D] load: all k requests are in flight at once, where a loop
+    # of k loads each followed by its use can wait out k memory latencies one after the other
+    y = tl.load(y_ptr + pairs[:, None] * stride_y + cols[None, :],
+                mask=(slots < TOP_K)[:, None] & (cols < D)[None, :], other=0.0)
+    acc = tl.sum(w[:, None] * y.to(tl.float32), axis=0)  # [BLOCK_D], fp32
+    tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < D)
+
+
+def _combine_blocks(T: int, D: int, config: MoERoutingConfig) -> tuple[int, int]:
+    """(columns per program, warps). Few tokens: narrower column blocks, so that more SMs each
+    fetch a share of the k rows (at T=1, D=2048: 8 programs of 256 columns, not 2 of 1024); a
+    warp per 256 columns, each thread loading 16 bytes of each of the k rows (bf16)."""
+    block_d = min(config.combine_block_d, triton.next_power_of_2(D))
+    while block_d > 256 and T * triton.cdiv(D, block_d) < 128:
+        block_d //= 2
+    return block_d, max(1, min(config.num_warps, block_d // 256))
 
 
 def moe_combine_triton(y: torch.Tensor, weights: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -272,9 +408,10 @@ def moe_combine_triton(y: torch.Tensor, weights: torch.Tensor, *, out: torch.Ten
         f"out must be [{T}, {D}] {y.dtype} with a contiguous last dimension"
     if T == 0 or D == 0:
         return out
-    block_d = min(config.combine_block_d, triton.next_power_of_2(D))
+    block_d, num_warps = _combine_blocks(T, D, config)
     _moe_combine_kernel[(T, triton.cdiv(D, block_d))](
-        y, weights, out, D, y.stride(0), out.stride(0), TOP_K=k, BLOCK_D=block_d, num_warps=config.num_warps,
+        y, weights, out, D, y.stride(0), out.stride(0),
+        TOP_K=k, BLOCK_K=triton.next_power_of_2(k), BLOCK_D=block_d, num_warps=num_warps,
     )
     return out
 
@@ -283,7 +420,7 @@ def moe_combine_ref(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y: [T·k, D], weights: [T, k] -> sum_j weights[t, j] · y[t·k + j]: [T, D] in y.dtype."""
     T, k = weights.shape
     out = torch.zeros(T, y.shape[1], dtype=torch.float32, device=y.device)
-    for j in range(k):  # slot order, as the kernel
+    for j in range(k):  # slot order (the kernel may add in another order: fp32 roundings apart)
         out += weights[:, j, None].float() * y[j::k].float()
     return out.to(y.dtype)
 

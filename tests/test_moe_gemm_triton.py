@@ -13,17 +13,20 @@ import torch.nn.functional as F
 from qml_kernels import registry
 from qml_kernels.moe_gemm import (
     MOE_GEMM_SPEC,
+    SMALL_TILE_CONFIG,
     MoEGemmConfig,
     _moe_gemm_kernel,
     moe_block_size,
     moe_forward,
     moe_forward_ref,
     moe_gemm,
+    moe_gemm_config,
     moe_gemm_ref,
     moe_gemm_triton,
 )
 from qml_kernels.moe_routing import draw_expert_ids, moe_align_ref
 from qml_kernels.workbench.compile import compile_checks
+from qml_kernels.workbench.spec import Case
 
 # max |out - ref| / max |ref|, ref computed in fp32; fp16/bf16 allow a few output roundings
 # (and for the FFN, the rounding of the intermediate silu(gate)·up to the activation dtype)
@@ -37,6 +40,8 @@ CONFIGS = {
     "default": MoEGemmConfig(),
     # 16x16x16 tiles: several tiles per expert segment, several column tiles and K steps
     "small-tiles": MoEGemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1),
+    # what the launcher picks for 16-row segments: one tile for K <= 128 in the small cases
+    "decode": SMALL_TILE_CONFIG,
 }
 
 # exp(-g) overflows to inf for very negative gates on purpose (silu is then exactly 0)
@@ -68,6 +73,29 @@ def test_moe_gemm_matches_reference(case, dtype, config):
     assert moe_gemm_triton(**inputs, out=out, config=config) is out
     err = _rel_err(out, ref)
     assert err <= TOLERANCES[dtype], f"{case.name} ({case.edge}) {dtype} seed={seed}: rel err {err:.2e}"
+
+
+def test_config_follows_the_segment_height():
+    """16-row segments (decode, short prefills) get the narrow deep tiles; 64-row ones the default."""
+    assert moe_gemm_config(16) is SMALL_TILE_CONFIG and moe_gemm_config(32) is SMALL_TILE_CONFIG
+    assert moe_gemm_config(64) == MoEGemmConfig()
+    assert moe_gemm_config(moe_block_size(8, 128)).block_m == 16  # one token of Qwen3-30B-A3B
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("swiglu", [True, False], ids=["gate-up", "down"])
+def test_decode_tiles_over_several_k_steps(swiglu, dtype):
+    """The launcher's own choice at one token (no config): 128-deep K steps, K = 320 is two and a
+    tail; 8 of 40 experts used, each with one real row in its 16-row tile."""
+    seed, gen = _seeded()
+    case = Case("decode", {"T": 1, "E": 40, "k": 8, "K": 320, "N": 96, "block": moe_block_size(8, 40),
+                           "swiglu": swiglu, "per_pair": not swiglu})
+    inputs = MOE_GEMM_SPEC.make_inputs(case, dtype, DEVICE, gen)
+    ref = moe_gemm_ref(**_upcast(inputs))
+    out = torch.full_like(ref, float("nan"), dtype=dtype)
+    moe_gemm_triton(**inputs, out=out)
+    err = _rel_err(out, ref)
+    assert err <= TOLERANCES[dtype], f"{dtype} seed={seed}: rel err {err:.2e}"
 
 
 def test_reference_is_one_matmul_per_pair():
@@ -107,19 +135,20 @@ def test_unchosen_experts_are_never_read():
     (24, 7, 1, "hot"),  # top-1, every token to expert 0
     (40, 11, 3, "sparse"),  # prime E, odd experts empty
     (70, 8, 8, "uniform"),  # k = E: every expert gets every token; 560 pairs, 64-row tiles
+    (20, 128, 8, "uniform"),  # Qwen3's 128 experts: 160 pairs, 3 chunks of 64, the multi-program alignment
 ])
 def test_moe_forward_matches_reference(T, E, k, spread, dtype):
     """The dispatched pipeline (router, alignment, two grouped GEMMs, combine) all in Triton,
     against the loop over experts. The logits make the routing ``spread`` wants."""
     seed, gen = _seeded()
-    D, I = 48, 40
+    D, Ie = 48, 40
     chosen = draw_expert_ids(T, E, k, gen, spread).long()
     # the chosen experts get logits 4 + noise ahead of the others: a clear, known routing
     logits = torch.randn(T, E, generator=gen)
     logits.scatter_(1, chosen, 4.0 + torch.rand(T, k, generator=gen))
     x = torch.randn(T, D, generator=gen)
-    w_gate_up = torch.randn(E, 2 * I, D, generator=gen) * D**-0.5
-    w_down = torch.randn(E, D, I, generator=gen) * I**-0.5
+    w_gate_up = torch.randn(E, 2 * Ie, D, generator=gen) * D**-0.5
+    w_down = torch.randn(E, D, Ie, generator=gen) * Ie**-0.5
     args = [t.to(DEVICE, dtype) for t in (x, logits, w_gate_up, w_down)]
     with registry.using("triton"):
         out = moe_forward(*args, k, True)
@@ -133,9 +162,9 @@ def test_moe_forward_on_cpu_runs_the_references():
     """Without a forced implementation the CPU pipeline is made of the references, and it equals
     the expert loop (the model's CPU path)."""
     gen = torch.Generator().manual_seed(5)
-    T, E, k, D, I = 6, 5, 2, 16, 12
+    T, E, k, D, Ie = 6, 5, 2, 16, 12
     x, logits = torch.randn(T, D, generator=gen), torch.randn(T, E, generator=gen)
-    w_gate_up, w_down = torch.randn(E, 2 * I, D, generator=gen), torch.randn(E, D, I, generator=gen)
+    w_gate_up, w_down = torch.randn(E, 2 * Ie, D, generator=gen), torch.randn(E, D, Ie, generator=gen)
     assert registry.select("moe_gemm", x, w_gate_up, torch.zeros(1, dtype=torch.int32),
                            torch.zeros(E + 1, dtype=torch.int32), 16, k).name == "reference"
     torch.testing.assert_close(moe_forward(x, logits, w_gate_up, w_down, k, False),
@@ -200,11 +229,13 @@ _SIGNATURE = {
 }
 
 
-def _variant(block_m: int, swiglu: bool, pairs_per_row: int) -> dict:
-    """The bf16 kernel as the launcher specialises it (default config) for Qwen3-30B-A3B (128 experts)."""
-    config = MoEGemmConfig()
-    constexprs = {"PAIRS_PER_ROW": pairs_per_row, "SWIGLU": swiglu, "PRECISION": "tf32", "BLOCK_M": block_m,
-                  "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "BLOCK_E": 128}
+def _variant(block_size: int, swiglu: bool, pairs_per_row: int, config: MoEGemmConfig | None = None) -> dict:
+    """The bf16 kernel as the launcher specialises it for Qwen3-30B-A3B (128 experts; K = 2048 for
+    gate-up, 768 for down), with the config it picks for ``block_size`` unless one is given."""
+    config = config or moe_gemm_config(block_size)
+    constexprs = {"PAIRS_PER_ROW": pairs_per_row, "SWIGLU": swiglu, "PRECISION": "tf32",
+                  "BLOCK_M": min(config.block_m, block_size), "BLOCK_N": config.block_n,
+                  "BLOCK_K": config.block_k, "BLOCK_E": 128}
     divisible = ("N_OUT", "K", "stride_a", "stride_we", "stride_wn", "stride_out")
     return {"signature": _SIGNATURE, "constexprs": constexprs, "num_warps": config.num_warps,
             "num_stages": config.num_stages, "divisible": divisible}
@@ -214,7 +245,12 @@ COMPILE_VARIANTS = {
     "gate-up-swiglu-prefill": _variant(64, True, 8),
     "down-prefill": _variant(64, False, 1),
     "gate-up-swiglu-decode": _variant(16, True, 8),
+    "down-decode": _variant(16, False, 1),
+    "gate-up-swiglu-16-rows-default-tiles": _variant(16, True, 8, MoEGemmConfig()),
 }
+# programs of the decode tiles that must fit on one SM together (228 KB of shared memory on Hopper),
+# so that the weight bytes in flight per SM are what SMALL_TILE_CONFIG's comment counts
+PROGRAMS_PER_SM = {"gate-up-swiglu-decode": 2, "down-decode": 4}
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +268,6 @@ def test_compiles_for_hopper(compile_reports, name):
     # 64-row tiles are one warpgroup MMA high: the tensor cores' Hopper instruction must be used
     if COMPILE_VARIANTS[name]["constexprs"]["BLOCK_M"] >= 64:
         assert report["has_wgmma"], f"{name}: no wgmma in the PTX"
+    if name in PROGRAMS_PER_SM:
+        assert PROGRAMS_PER_SM[name] * report["shared_bytes"] <= 228 * 1024, f"{name}: {report['shared_bytes']} B"
+        assert "cp.async" in report["ptx"], f"{name}: the weight loads are not asynchronous copies (no pipeline)"

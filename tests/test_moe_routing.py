@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import triton
 
 from qml_kernels import registry
 from qml_kernels.moe_routing import (
@@ -18,7 +19,12 @@ from qml_kernels.moe_routing import (
     MOE_COMBINE_SPEC,
     MOE_ROUTER_SPEC,
     MoERoutingConfig,
+    _align_blocks,
+    _combine_blocks,
+    _moe_align_count_kernel,
     _moe_align_kernel,
+    _moe_align_scan_kernel,
+    _moe_align_scatter_kernel,
     _moe_combine_kernel,
     _moe_router_kernel,
     draw_expert_ids,
@@ -34,6 +40,7 @@ from qml_kernels.moe_routing import (
     padded_rows,
 )
 from qml_kernels.workbench.compile import compile_checks
+from qml_kernels.workbench.spec import Case
 
 # max |out - ref| / max |ref|, ref in fp32. Router weights are fp32 whatever the logits' dtype
 # (the same logits in, a softmax of E terms out); the combine rounds once to the output dtype.
@@ -138,17 +145,76 @@ def test_align_invariants(case, impl):
                                where=f"{impl} {case.name} ({case.edge}) seed={seed}")
 
 
-@pytest.mark.parametrize("config", [MoERoutingConfig(), MoERoutingConfig(align_chunk=16)], ids=["default", "chunk16"])
-@pytest.mark.parametrize("case", ALIGN_CASES, ids=lambda c: c.name)
+# the one-program path and the three-launch path (histogram, scan, scatter), each forced, with
+# chunks of 16 pairs so that the small cases make many programs
+ALIGN_CONFIGS = {
+    "default": MoERoutingConfig(),
+    "chunk16": MoERoutingConfig(align_chunk=16),
+    "one-program": MoERoutingConfig(align_chunk=16, align_one_program_chunks=1 << 30),
+    "programs-per-chunk": MoERoutingConfig(align_chunk=16, align_one_program_chunks=0),
+}
+
+# edges beyond the spec's cases (whose table the notebook prints)
+EXTRA_ALIGN_CASES = (
+    Case("hot-many-chunks", {"T": 300, "E": 8, "k": 1, "block": 16, "spread": "hot"},
+         edge="all 300 pairs to expert 0: one segment over every chunk, 7 empty experts, a long tail of -1"),
+    Case("sparse-prime", {"T": 97, "E": 61, "k": 4, "block": 16, "spread": "sparse"},
+         edge="E=61, the 30 odd experts empty"),
+    Case("prime-127", {"T": 200, "E": 127, "k": 8, "block": 64}, edge="E=127, 1600 pairs, 64-row blocks"),
+    Case("block-128", {"T": 60, "E": 128, "k": 8, "block": 128},
+         edge="block 128 > the padding tile's 64 columns: padding written in two column steps"),
+    Case("odd-block", {"T": 45, "E": 12, "k": 3, "block": 24}, edge="block 24 (not a power of 2)"),
+    Case("block-1", {"T": 50, "E": 9, "k": 2, "block": 1}, edge="block 1: no padding at all"),
+)
+
+
+def _align_inputs(case: Case, gen: torch.Generator) -> dict:
+    return MOE_ALIGN_SPEC.make_inputs(case, torch.float32, DEVICE, gen)
+
+
+@pytest.mark.parametrize("config", ALIGN_CONFIGS.values(), ids=ALIGN_CONFIGS.keys())
+@pytest.mark.parametrize("case", ALIGN_CASES + EXTRA_ALIGN_CASES, ids=lambda c: c.name)
 def test_align_matches_reference_exactly(case, config):
     seed, gen = _seeded()
-    inputs = MOE_ALIGN_SPEC.make_inputs(case, torch.float32, DEVICE, gen)
+    inputs = _align_inputs(case, gen)
     ref = moe_align_ref(**inputs)
-    poisoned = tuple(torch.full_like(t, -7) for t in ref)  # the launcher must refill the padding
+    poisoned = tuple(torch.full_like(t, -7) for t in ref)  # the kernels must write every row, padding too
     got = moe_align_triton(**inputs, out=poisoned, config=config)
     assert all(g is p for g, p in zip(got, poisoned))
+    assert_grouping_invariants(inputs["ids"], inputs["num_experts"], inputs["block_size"], *got,
+                               where=f"{case.name} ({case.edge}) seed={seed}")
     for name, g, r in zip(("sorted_pairs", "expert_offsets", "inverse"), got, ref):
         assert torch.equal(g, r), f"{case.name} ({case.edge}) seed={seed}: {name} differs"
+
+
+def test_align_path_choice():
+    """Which path each shape takes with the default config: one program at decode (one launch),
+    a program per chunk from a few chunks on. Qwen3-30B-A3B: E=128, chunks of 64 pairs."""
+    config = MoERoutingConfig()
+    chunk = _align_blocks(128, 16, config)["BLOCK_P"]
+    assert chunk == 64
+    for T, one_program in ((1, True), (16, True), (17, False), (128, False), (8192, False)):
+        assert (triton.cdiv(8 * T, chunk) <= config.align_one_program_chunks) == one_program, T
+
+
+def test_align_scan_over_more_than_one_tile_of_chunks():
+    """Over 1,024 chunks: the per-expert scan carries its count from one tile of chunks to the next."""
+    seed, gen = _seeded()
+    case = Case("many-chunks", {"T": 2100, "E": 8, "k": 8, "block": 16})
+    inputs = _align_inputs(case, gen)
+    config = MoERoutingConfig(align_chunk=16, align_one_program_chunks=0)
+    assert triton.cdiv(inputs["ids"].numel(), 16) + 1 > 1024
+    got = moe_align_triton(**inputs, config=config)
+    for name, g, r in zip(("sorted_pairs", "expert_offsets", "inverse"), got, moe_align_ref(**inputs)):
+        assert torch.equal(g, r), f"seed={seed}: {name} differs"
+
+
+@pytest.mark.parametrize("config", ALIGN_CONFIGS.values(), ids=ALIGN_CONFIGS.keys())
+def test_align_no_pairs(config):
+    """T=0: no rows, offsets all zero."""
+    ids = torch.empty(0, 8, dtype=torch.int32, device=DEVICE)
+    sorted_pairs, offsets, inverse = moe_align_triton(ids, 16, 16, config=config)
+    assert sorted_pairs.numel() == 0 and inverse.numel() == 0 and offsets.tolist() == [0] * 17
 
 
 def test_align_single_pair_and_block_one():
@@ -186,6 +252,34 @@ def test_combine_matches_reference(case, dtype):
     assert torch.isfinite(out).all(), f"seed={seed}: unwritten outputs"
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     assert err <= TOLERANCES[dtype], f"{case.name} ({case.edge}) {dtype} seed={seed}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T, k, D", [(1, 8, 2048), (3, 8, 700), (40, 6, 96), (2, 5, 1030)],
+                         ids=["decode-qwen3", "odd-width-3-tokens", "k6", "k5-odd-blocks"])
+def test_combine_shapes(T, k, D, dtype):
+    """k not a power of 2 (masked slots), narrow column blocks at few tokens, out a strided view."""
+    seed, gen = _seeded()
+    y = torch.randn(T * k, D, generator=gen).to(DEVICE, dtype)
+    weights = torch.softmax(torch.randn(T, k, generator=gen), dim=-1).to(DEVICE)
+    buffer = torch.full((T, D + 16), float("nan"), dtype=dtype, device=DEVICE)
+    out = buffer[:, 8:8 + D]  # rows of stride D + 16
+    assert moe_combine_triton(y, weights, out=out) is out
+    assert torch.isnan(buffer[:, :8]).all() and torch.isnan(buffer[:, 8 + D:]).all(), "wrote outside out"
+    ref = moe_combine_ref(y.float(), weights)
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert torch.isfinite(out).all() and err <= TOLERANCES[dtype], f"{T}x{k}x{D} {dtype} seed={seed}: {err:.2e}"
+
+
+def test_combine_blocks():
+    """Qwen3-30B-A3B (D=2048): 8 programs of 256 columns at one token, 1,024 columns from 64 tokens."""
+    config = MoERoutingConfig()
+    assert _combine_blocks(1, 2048, config) == (256, 1)
+    assert _combine_blocks(16, 2048, config) == (256, 1)
+    assert _combine_blocks(32, 2048, config) == (512, 2)
+    assert _combine_blocks(128, 2048, config) == (1024, 4)
+    assert _combine_blocks(8192, 2048, config) == (1024, 4)
+    assert _combine_blocks(1, 96, config) == (128, 1)
 
 
 def test_combine_reference_is_the_weighted_sum():
@@ -243,26 +337,49 @@ def test_draw_expert_ids_spreads():
 _ROUTER_SIG = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32", "T": "i32", "E": "i32",
                "stride_logits": "i32", "TOP_K": "constexpr", "RENORMALIZE": "constexpr", "BLOCK_T": "constexpr",
                "BLOCK_E": "constexpr", "BLOCK_K": "constexpr"}
+_ALIGN_BLOCKS = {"ALIGN": "constexpr", "BLOCK_P": "constexpr", "BLOCK_E": "constexpr", "PAD_COLS": "constexpr",
+                 "BLOCK_TAIL": "constexpr"}
 _ALIGN_SIG = {"ids_ptr": "*i32", "sorted_pairs_ptr": "*i32", "offsets_ptr": "*i32", "inverse_ptr": "*i32",
-              "P": "i32", "E": "i32", "ALIGN": "constexpr", "BLOCK_P": "constexpr", "BLOCK_E": "constexpr"}
+              "P": "i32", "E": "i32", "R": "i32", **_ALIGN_BLOCKS}
+_ALIGN_COUNT_SIG = {"ids_ptr": "*i32", "counts_ptr": "*i32", "P": "i32", "E": "i32", "BLOCK_P": "constexpr",
+                    "BLOCK_E": "constexpr"}
+_ALIGN_SCAN_SIG = {"counts_ptr": "*i32", "num_chunks": "i32", "E": "i32", "BLOCK_C": "constexpr"}
+_ALIGN_SCATTER_SIG = {"ids_ptr": "*i32", "counts_ptr": "*i32", "sorted_pairs_ptr": "*i32", "offsets_ptr": "*i32",
+                      "inverse_ptr": "*i32", "P": "i32", "E": "i32", "R": "i32", "num_chunks": "i32", **_ALIGN_BLOCKS}
 _COMBINE_SIG = {"y_ptr": "*bf16", "weights_ptr": "*fp32", "out_ptr": "*bf16", "D": "i32", "stride_y": "i32",
-                "stride_out": "i32", "TOP_K": "constexpr", "BLOCK_D": "constexpr"}
+                "stride_out": "i32", "TOP_K": "constexpr", "BLOCK_K": "constexpr", "BLOCK_D": "constexpr"}
 _CONFIG = MoERoutingConfig()
+# the launchers' tiles for Qwen3-30B-A3B (128 experts, top-8, hidden 2048): decode (16-row blocks)
+# and prefill (64-row blocks; 65,536 pairs at 8,192 tokens: 1,024 chunks)
+_ALIGN_DECODE = dict(ALIGN=16, **_align_blocks(128, 16, _CONFIG))
+_ALIGN_PREFILL = dict(ALIGN=64, **_align_blocks(128, 64, _CONFIG))
 
-# Qwen3-30B-A3B: 128 experts, top-8, hidden 2048, as the launchers specialise them
+
+def _combine_variant(T: int) -> dict:
+    block_d, num_warps = _combine_blocks(T, 2048, _CONFIG)
+    return {"kernel": _moe_combine_kernel, "signature": _COMBINE_SIG, "num_warps": num_warps,
+            "constexprs": {"TOP_K": 8, "BLOCK_K": 8, "BLOCK_D": block_d}, "divisible": ("D", "stride_y", "stride_out")}
+
+
 COMPILE_VARIANTS = {
     "router-qwen3-30b-a3b": {"kernel": _moe_router_kernel, "signature": _ROUTER_SIG, "constexprs": {
         "TOP_K": 8, "RENORMALIZE": True, "BLOCK_T": _CONFIG.router_rows, "BLOCK_E": 128, "BLOCK_K": 8}},
-    "align-qwen3-30b-a3b": {"kernel": _moe_align_kernel, "signature": _ALIGN_SIG, "constexprs": {
-        "ALIGN": 64, "BLOCK_P": 8192 // 128, "BLOCK_E": 128}},
-    "combine-qwen3-30b-a3b": {"kernel": _moe_combine_kernel, "signature": _COMBINE_SIG, "constexprs": {
-        "TOP_K": 8, "BLOCK_D": _CONFIG.combine_block_d}, "divisible": ("D", "stride_y", "stride_out")},
+    "align-one-program-qwen3-30b-a3b": {"kernel": _moe_align_kernel, "signature": _ALIGN_SIG,
+                                        "constexprs": _ALIGN_DECODE},
+    "align-count-qwen3-30b-a3b": {"kernel": _moe_align_count_kernel, "signature": _ALIGN_COUNT_SIG, "constexprs": {
+        "BLOCK_P": _ALIGN_PREFILL["BLOCK_P"], "BLOCK_E": 128}},
+    "align-scan-qwen3-30b-a3b": {"kernel": _moe_align_scan_kernel, "signature": _ALIGN_SCAN_SIG,
+                                 "constexprs": {"BLOCK_C": 1024}},
+    "align-scatter-qwen3-30b-a3b": {"kernel": _moe_align_scatter_kernel, "signature": _ALIGN_SCATTER_SIG,
+                                    "constexprs": _ALIGN_PREFILL},
+    "combine-qwen3-30b-a3b-decode": _combine_variant(1),
+    "combine-qwen3-30b-a3b-prefill": _combine_variant(8192),
 }
 
 
 @pytest.fixture(scope="module")
 def compile_reports() -> dict:
-    requests = [dict(v, num_warps=_CONFIG.num_warps) for v in COMPILE_VARIANTS.values()]
+    requests = [dict({"num_warps": _CONFIG.num_warps}, **v) for v in COMPILE_VARIANTS.values()]
     return dict(zip(COMPILE_VARIANTS, (dataclasses.asdict(r) for r in compile_checks(requests))))
 
 
@@ -273,3 +390,13 @@ def test_compiles_for_hopper(compile_reports, name):
     assert ".target sm_90a" in report["ptx"]
     assert report["spills"] in (0, None), f"{name}: {report['spills']} spill bytes"
     assert report["registers"] is None or report["registers"] <= 255, f"{name}: {report['registers']} registers"
+
+
+def test_combine_issues_every_row_load_before_using_one(compile_reports):
+    """The point of the 2-D load: in the PTX, the k rows' vector loads all come before the first
+    conversion of a loaded value (a loop of loads let later requests wait on earlier data)."""
+    for name in ("combine-qwen3-30b-a3b-decode", "combine-qwen3-30b-a3b-prefill"):
+        ptx = compile_reports[name]["ptx"]
+        loads = [i for i, line in enumerate(ptx.splitlines()) if "ld.global.v4" in line]
+        first_use = next(i for i, line in enumerate(ptx.splitlines()) if "cvt.f32.bf16" in line)
+        assert len(loads) >= 8 and max(loads) < first_use, f"{name}: loads at lines {loads}, first use {first_use}"
