@@ -25,6 +25,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from qml_runtime.chat_encoding import PieceEncoder
 from qml_runtime.chat_template import ChatTemplate, ChatTemplateError
 
 __all__ = ["PRE_TOKENIZER_SPLITS", "Tokenizer", "UnsupportedTokenizer"]
@@ -197,6 +198,7 @@ class Tokenizer:
         self.eos_token_ids = frozenset(i for i in (eos_token_id, *extra_eos_ids) if i is not None)
         self.chat_template = (ChatTemplate(chat_template, bos_token=self.bos_token, eos_token=self.eos_token)
                               if chat_template else None)
+        self._pieces: PieceEncoder | None = None  # built at the first chat prompt
 
     # --- construction ---------------------------------------------------------------------
     @classmethod
@@ -271,7 +273,14 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
         """Token ids of the rendered conversation. The template writes its own BOS, so none is added."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, **extra), add_special_tokens=False)
+        return self.encode_chat(self.render_chat(messages, add_generation_prompt, **extra))
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Ids of a rendered chat prompt (no BOS added): the pieces between special tokens that an
+        earlier turn already sent come from a cache (qml_runtime.chat_encoding)."""
+        if self._pieces is None:
+            self._pieces = PieceEncoder(self.backend)
+        return self._pieces.encode(text)
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
