@@ -332,6 +332,11 @@ def _timed_request(engine, ids: list[int], params: SamplingParams) -> list[float
     return stamps
 
 
+def _loop_counters(engine) -> dict:
+    """The engine thread's cumulative time split (schedule / step / post, launch inside step) and steps."""
+    return dict(engine.loop_seconds, launch=engine.runner.launch_seconds, steps=engine.loop_steps)
+
+
 def section_engine(args, device) -> None:
     from qml_runtime.loader import load_engine
 
@@ -351,14 +356,14 @@ def section_engine(args, device) -> None:
 
     def loop_split():
         """Engine-thread time per step since the last call: schedule / launch / wait / post (ms)."""
-        now = dict(engine.loop_seconds, launch=engine.runner.launch_seconds, steps=engine.loop_steps)
+        now = _loop_counters(engine)
         was, loop_split.last = loop_split.last, now
         steps = max(1, now["steps"] - was["steps"])
         per = {k: (now[k] - was[k]) * 1e3 / steps for k in ("schedule", "step", "post", "launch")}
         per["wait"] = per.pop("step") - per["launch"]
         return {k: round(v, 3) for k, v in per.items()} | {"steps": steps}
 
-    loop_split.last = dict(engine.loop_seconds, launch=engine.runner.launch_seconds, steps=engine.loop_steps)
+    loop_split.last = _loop_counters(engine)
 
     def prompt(n):
         return torch.randint(300, V, (n,), generator=gen).tolist()
@@ -453,9 +458,9 @@ def section_firstcall(args, device) -> None:
     turns = []
     for i in range(4):
         hist = hist + torch.randint(300, V, (219,), generator=gen).tolist()
-        was = dict(engine.loop_seconds, launch=engine.runner.launch_seconds, steps=engine.loop_steps)
+        was = _loop_counters(engine)
         t = _timed_request(engine, hist, one)[0] * 1e3
-        now = dict(engine.loop_seconds, launch=engine.runner.launch_seconds, steps=engine.loop_steps)
+        now = _loop_counters(engine)
         split = {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post", "launch")}
         turns.append({"ttft_ms": round(t, 2), "steps": now["steps"] - was["steps"], "loop_ms": split})
         print(f"turn over {len(hist) - 219} cached: {t:.1f} ms {split}", flush=True)

@@ -325,7 +325,8 @@ class Engine:
             self._note_first_scheduled(batch.seqs)
             # the prefill chunks (cached context, new tokens): what the restore planner weighs reading
             # KV against; a step with decode rows is not one (their time is not a prefill's)
-            chunks = [(s.num_computed, n) for s, n in zip(batch.seqs, batch.num_tokens)]
+            chunks = ([(s.num_computed, n) for s, n in zip(batch.seqs, batch.num_tokens)]
+                      if self.tiers is not None else [])
             pure_prefill = sum(n for _, n in chunks) >= 64 and all(n > 1 for _, n in chunks)
             t0 = time.perf_counter()
             self.loop_seconds["schedule"] += t0 - t_start
@@ -339,7 +340,7 @@ class Engine:
             t1 = time.perf_counter()
             self.loop_seconds["step"] += t1 - t0
             self.loop_steps += 1
-            if self.tiers is not None and pure_prefill:
+            if pure_prefill:  # (no chunks without tiers)
                 self.tiers.planner.observe_prefill(chunks, t1 - t0)
             for seq in batch.seqs:
                 self.scheduler.commit(seq)  # before any finishes: its pages are named, then released

@@ -64,7 +64,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._fit(self._computable(seq), budget, batch)
+            n = self._fit(self._computable(seq), budget, self._decode_rows(batch))
             if n == 0:
                 continue  # waiting for blocks to stream in
             if not self._reserve(seq, n, batch):
@@ -90,13 +90,14 @@ class Scheduler:
     def _decode_rows(batch: ScheduledBatch) -> int:
         return sum(1 for n in batch.num_tokens if n == 1)
 
-    def _fit(self, want: int, budget: int, batch: ScheduledBatch) -> int:
+    @staticmethod
+    def _fit(want: int, budget: int, decode_rows: int) -> int:
         """The chunk a prefill gets: the budget, or all it wants when the decode rows already in the
         step are what keeps it out. Without this, once k conversations decode, a prompt of exactly
         the budget is cut into two steps, the second of k tokens (32 x 2,048-token prompts on the
         H200: TTFT p50 2.1 s, against 0.94 s with 2,000-token prompts). A step grows by at most
         its decode rows (max_num_seqs)."""
-        return want if want <= budget + self._decode_rows(batch) else budget
+        return want if want <= budget + decode_rows else budget
 
     def _computable(self, seq: Sequence) -> int:
         """Tokens of ``seq`` that can be computed now: up to where blocks are streaming in, and
@@ -183,8 +184,7 @@ class Scheduler:
             self.prefix_hits += seq.num_cached
         # a failed restore leaves more to compute than planned: the chunk stops where pages run out
         room = (len(seq.block_table) + self.blocks.num_free) * S - computed
-        want = self._computable(seq)
-        n = min(want if want <= budget + slack else budget, room)
+        n = min(self._fit(self._computable(seq), budget, slack), room)
         if n <= 0 and seq.pending_load is None:
             self.blocks.release(seq.block_table)  # named pages stay cached: the next try finds them
             seq.block_table = []

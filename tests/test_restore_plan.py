@@ -82,6 +82,16 @@ def history(engine) -> tuple[list[int], int]:
     return ids2, shared // 16
 
 
+def write_history(engine, disk_dir) -> Engine:
+    """A first server on ``disk_dir`` runs the first turn and stops (its pages written through)."""
+    first = sibling(engine, disk_dir)
+    try:
+        history(first)
+    finally:
+        first.shutdown()
+    return first
+
+
 @pytest.fixture(scope="module")
 def expected(engine):
     ids, blocks = history(engine)
@@ -100,11 +110,7 @@ def expected(engine):
 ])
 def test_after_a_restart_each_plan_gives_the_same_tokens(engine, expected, tmp_path, rates, kind, host_bytes):
     ids, blocks, tokens = expected
-    first = sibling(engine, tmp_path)
-    try:
-        history(first)
-    finally:
-        first.shutdown()
+    first = write_history(engine, tmp_path)
     assert blocks >= 3
     if rates is None:  # per block: reading takes as long as computing
         planner = RestorePlanner(prefill_tokens_per_s=16.0, disk_bytes_per_s=float(first.kv.block_bytes))
@@ -134,13 +140,8 @@ def test_after_a_restart_each_plan_gives_the_same_tokens(engine, expected, tmp_p
 
 def test_a_slow_disk_read_makes_the_engine_wait_not_fail(engine, expected, tmp_path, monkeypatch):
     ids, blocks, tokens = expected
-    first = sibling(engine, tmp_path)
-    try:
-        history(first)
-    finally:
-        first.shutdown()
-    planner = RestorePlanner(prefill_tokens_per_s=1.0, disk_bytes_per_s=1e12)
-    planner.alpha = 0.0
+    write_history(engine, tmp_path)
+    planner = RestorePlanner(prefill_tokens_per_s=1.0, disk_bytes_per_s=1e12, alpha=0.0)
     restarted = sibling(engine, tmp_path, planner)
     get_into = restarted.tiers.disk.get_into
     monkeypatch.setattr(restarted.tiers.disk, "get_into", lambda *a: time.sleep(0.02) or get_into(*a))
@@ -153,13 +154,8 @@ def test_a_slow_disk_read_makes_the_engine_wait_not_fail(engine, expected, tmp_p
 
 def test_a_block_missing_when_the_load_runs_is_computed_instead(engine, expected, tmp_path):
     ids, blocks, tokens = expected
-    first = sibling(engine, tmp_path)
-    try:
-        history(first)
-    finally:
-        first.shutdown()
-    planner = RestorePlanner(prefill_tokens_per_s=1.0, disk_bytes_per_s=1e12)
-    planner.alpha = 0.0
+    write_history(engine, tmp_path)
+    planner = RestorePlanner(prefill_tokens_per_s=1.0, disk_bytes_per_s=1e12, alpha=0.0)
     restarted = sibling(engine, tmp_path, planner)
     # the index says the blocks are there; the files of the later half are gone
     files = sorted(tmp_path.rglob("*.kvb"), key=lambda f: f.stat().st_mtime)
