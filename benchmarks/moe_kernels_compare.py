@@ -2,6 +2,7 @@
 (commit c432811 is before), on the H200; run from the repo root of a git checkout.
 
     python benchmarks/moe_kernels_compare.py [--old-ref c432811]
+    python benchmarks/moe_kernels_compare.py --old-file OLD.py   # no git: the old module as a file
 
 "bench" columns: the workbench's method (L2 cleared before each call, median; host launch cost
 can show). "graph" columns: GPU time per call inside a CUDA graph of 20 calls, as the engine's
@@ -21,11 +22,15 @@ from qml_kernels.moe_routing import draw_expert_ids, moe_align_triton, moe_combi
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--old-ref", default="c432811")
+parser.add_argument("--old-file", help="the old qml_kernels/moe_routing.py as a file (a checkout without .git)")
 args = parser.parse_args()
 
 # the old routing module under another name (its launchers only; it re-registers the ops' names)
-path = tempfile.NamedTemporaryFile("w", suffix="_old_moe_routing.py", delete=False).name
-open(path, "w").write(subprocess.check_output(["git", "show", f"{args.old_ref}:qml_kernels/moe_routing.py"], text=True))
+path = args.old_file
+if path is None:
+    path = tempfile.NamedTemporaryFile("w", suffix="_old_moe_routing.py", delete=False).name
+    old_source = subprocess.check_output(["git", "show", f"{args.old_ref}:qml_kernels/moe_routing.py"], text=True)
+    open(path, "w").write(old_source)
 spec = importlib.util.spec_from_file_location("old_moe_routing", path)
 old = sys.modules["old_moe_routing"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(old)
