@@ -1,0 +1,82 @@
+"""Sweep the grouped GEMM's launch configs at Qwen3-30B-A3B shapes on the H200 (prefill sizes).
+
+    python benchmarks/moe_gemm_sweep.py --out DIR [--tokens 512,2048,8192]
+
+For each token count, uniform random routing (what random router weights give), both GEMMs of an
+expert FFN (gate-up with the fused SwiGLU, down) are timed for every (alignment block, tile) combination;
+each config's output is first compared with the default config's. Prints and writes the best per
+(GEMM, T) and the whole table as JSON, so ``moe_gemm_config`` can be set from measurements.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from qml_kernels.moe_gemm import MoEGemmConfig, moe_block_size, moe_gemm_triton
+from qml_kernels.moe_routing import draw_expert_ids, moe_align_triton
+
+E, K_TOP, D, I = 128, 8, 2048, 768
+
+
+def configs():
+    for block_size, block_m, block_n, block_k, warps, stages in itertools.product(
+            (64, 128), (64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4)):
+        if block_m > block_size or (block_n == 256 and block_m == 128):
+            continue
+        yield block_size, MoEGemmConfig(block_m, block_n, block_k, warps, stages)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tokens", default="512,2048,8192")
+    args = parser.parse_args()
+    gen = torch.Generator("cuda").manual_seed(0)
+    w_gate_up = (torch.randn(E, 2 * I, D, device="cuda", generator=gen) * D**-0.5).bfloat16()
+    w_down = (torch.randn(E, D, I, device="cuda", generator=gen) * I**-0.5).bfloat16()
+    rows, best = [], {}
+    for T in (int(t) for t in args.tokens.split(",")):
+        ids = draw_expert_ids(T, E, K_TOP, torch.Generator().manual_seed(T)).cuda()
+        x = torch.randn(T, D, device="cuda", generator=gen).bfloat16()
+        h = torch.randn(T * K_TOP, I, device="cuda", generator=gen).bfloat16()
+        default_block = moe_block_size(T * K_TOP, E)
+        grouping = {b: moe_align_triton(ids, E, b)[:2] for b in (64, 128)}
+        gemms = {"gate-up": lambda b, cfg: moe_gemm_triton(x, w_gate_up, *grouping[b], b, K_TOP, True, config=cfg),
+                 "down": lambda b, cfg: moe_gemm_triton(h, w_down, *grouping[b], b, 1, config=cfg)}
+        for name, fn in gemms.items():
+            expected = fn(default_block, None)
+            flops = 2 * T * K_TOP * (2 * I if name == "gate-up" else D) * (D if name == "gate-up" else I)
+            for block_size, cfg in configs():
+                try:
+                    got = fn(block_size, cfg)
+                    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+                    us = do_bench(lambda: fn(block_size, cfg), warmup=10, rep=50, return_mode="median") * 1e3
+                except triton.runtime.errors.OutOfResources:
+                    continue
+                row = {"gemm": name, "T": T, "block_size": block_size, **cfg.__dict__, "us": round(us, 1),
+                       "TFLOP_per_s": round(flops / us / 1e6, 1), "default": block_size == default_block and cfg
+                       == MoEGemmConfig()}
+                rows.append(row)
+                if (name, T) not in best or us < best[name, T]["us"]:
+                    best[name, T] = row
+            default_us = next(r["us"] for r in rows if r["default"] and r["gemm"] == name and r["T"] == T)
+            print(f"{name:<8}T={T:<6} default {default_us:8.1f} us   best {best[name, T]}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    meta = {"date": stamp, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "command": "python " + " ".join(sys.argv)}
+    (args.out / f"moe-gemm-sweep-{stamp}.json").write_text(json.dumps({**meta, "best": list(best.values()),
+                                                                        "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
