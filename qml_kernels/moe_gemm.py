@@ -29,7 +29,9 @@ dispatched on its own; ``moe_forward_ref`` is the same function as a loop over e
 Launch configs: ``moe_gemm_config(block_size)`` gives 16-row segments (decode, short prefills)
 narrow, deep tiles with five pipeline stages, so the weight stream keeps enough bytes in flight
 (at one token the default tiles ran at 1.1-1.2 TB/s on the H200: gate-up 46.7 us, down 20.9 us,
-against 18 us for the 75 MB at 4.22 TB/s); 64-row segments keep the default tiles.
+against 18 us for the 75 MB at 4.22 TB/s); 64-row segments 64x64 tiles 64 deep, 128-row segments
+(experts averaging 128+ pairs: long prefills) 128x128 tiles on 8 warps. Chosen by a sweep of 64
+configs on the H200 (``benchmarks/moe_gemm_sweep.py``, results/moe-gemm-sweep-2026-11-30.json).
 
 Sources: the layout of vLLM's fused MoE kernel (pairs sorted by expert and padded to the tile
 height, the token gather folded into the A loads, outputs in pair order); the Triton matmul
@@ -80,15 +82,29 @@ class MoEGemmConfig:
 SMALL_TILE_CONFIG = MoEGemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=5)
 
 
+# Prefill tiles, from the sweep at Qwen3-30B-A3B shapes (bf16, H200, uniform routing; gate-up + down us):
+# 512 tokens (32 pairs per expert) the default tiles 356 + 191, 64-deep K steps 214 + 127; 8192 tokens
+# (512 per expert) the default 1214 + 1525, 128x128 tiles on 128-row segments 886 + 659 (466 and 313
+# TFLOP/s). At 2048 tokens (128 per expert) 128-row segments cost 331 + 221 against the best 64-row
+# tiles' 318 + 248: the threshold sits there.
+MID_TILE_CONFIG = MoEGemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+LARGE_TILE_CONFIG = MoEGemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
 def moe_gemm_config(block_size: int) -> MoEGemmConfig:
-    """The launch config for segments of ``block_size`` rows: small tiles below 64 rows."""
-    return SMALL_TILE_CONFIG if block_size < 64 else MoEGemmConfig()
+    """The launch config for segments of ``block_size`` rows (see ``moe_block_size``)."""
+    if block_size < 64:
+        return SMALL_TILE_CONFIG
+    return MID_TILE_CONFIG if block_size < 128 else LARGE_TILE_CONFIG
 
 
 def moe_block_size(num_pairs: int, num_experts: int) -> int:
-    """Rows each expert's segment is padded to: 16 when experts get few pairs on average (decode,
-    short prefills), where 64-row tiles would be mostly padding; 64 otherwise, for larger tiles."""
-    return 16 if num_pairs <= 16 * num_experts else 64
+    """Rows each expert's segment is padded to: 16 when experts get at most 16 pairs on average
+    (decode, short prefills), where larger tiles would be mostly padding; 128 from 128 pairs on
+    average (long prefills), for 128-row tiles; 64 between."""
+    if num_pairs <= 16 * num_experts:
+        return 16
+    return 64 if num_pairs < 128 * num_experts else 128
 
 
 @triton.jit

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from qml_kernels import registry
 from qml_kernels.moe_gemm import (
     MOE_GEMM_SPEC,
+    LARGE_TILE_CONFIG,
+    MID_TILE_CONFIG,
     SMALL_TILE_CONFIG,
     MoEGemmConfig,
     _moe_gemm_kernel,
@@ -42,6 +44,8 @@ CONFIGS = {
     "small-tiles": MoEGemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1),
     # what the launcher picks for 16-row segments: one tile for K <= 128 in the small cases
     "decode": SMALL_TILE_CONFIG,
+    "mid": MID_TILE_CONFIG,
+    "large": LARGE_TILE_CONFIG,
 }
 
 # exp(-g) overflows to inf for very negative gates on purpose (silu is then exactly 0)
@@ -76,10 +80,13 @@ def test_moe_gemm_matches_reference(case, dtype, config):
 
 
 def test_config_follows_the_segment_height():
-    """16-row segments (decode, short prefills) get the narrow deep tiles; 64-row ones the default."""
+    """16-row segments (decode, short prefills) get the narrow deep tiles, 64-row ones 64x64 tiles,
+    128-row ones (long prefills) 128x128 tiles; each tile height divides its segments."""
     assert moe_gemm_config(16) is SMALL_TILE_CONFIG and moe_gemm_config(32) is SMALL_TILE_CONFIG
-    assert moe_gemm_config(64) == MoEGemmConfig()
-    assert moe_gemm_config(moe_block_size(8, 128)).block_m == 16  # one token of Qwen3-30B-A3B
+    assert moe_gemm_config(64) is MID_TILE_CONFIG and moe_gemm_config(128) is LARGE_TILE_CONFIG
+    for T, block, block_m in ((1, 16, 16), (256, 16, 16), (257, 64, 64), (2047, 64, 64), (2048, 128, 128)):
+        assert moe_block_size(8 * T, 128) == block, T  # Qwen3-30B-A3B: 8 of 128 experts
+        assert moe_gemm_config(block).block_m == block_m
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -155,7 +162,7 @@ def test_moe_forward_matches_reference(T, E, k, spread, dtype):
     ref = moe_forward_ref(*(a.float() for a in args), k, True)
     err = _rel_err(out, ref)
     assert err <= FFN_TOLERANCES[dtype], f"T={T} E={E} k={k} {spread} {dtype} seed={seed}: rel err {err:.2e}"
-    assert moe_block_size(T * k, E) == (64 if T * k > 16 * E else 16)
+    assert moe_block_size(T * k, E) == (16 if T * k <= 16 * E else 64 if T * k < 128 * E else 128)
 
 
 def test_moe_forward_on_cpu_runs_the_references():
@@ -244,6 +251,8 @@ def _variant(block_size: int, swiglu: bool, pairs_per_row: int, config: MoEGemmC
 COMPILE_VARIANTS = {
     "gate-up-swiglu-prefill": _variant(64, True, 8),
     "down-prefill": _variant(64, False, 1),
+    "gate-up-swiglu-long-prefill": _variant(128, True, 8),
+    "down-long-prefill": _variant(128, False, 1),
     "gate-up-swiglu-decode": _variant(16, True, 8),
     "down-decode": _variant(16, False, 1),
     "gate-up-swiglu-16-rows-default-tiles": _variant(16, True, 8, MoEGemmConfig()),
