@@ -14,6 +14,9 @@ Sections (each runs on its own; a failure is recorded and the next one runs):
   prompts), decode ms/token over 256 tokens with and without CUDA graphs, 32 concurrent
   requests of 2k-token prompts (aggregate tokens/s).
 - ``profile``: per-kernel GPU time of one eager decode step and one 2,340-token prefill.
+- ``graphprofile``: the engine's served decode (CUDA graphs, as ``engine`` runs it) under the
+  profiler, at 1 and ``--concurrency`` sequences: kernel time per step beside the step's wall
+  time, so the gap between the kernels (launch latency, idle SMs) shows.
 
 Writes ``engine-<gpu>.json`` and ``.md`` under --out as it goes. Also runs on CPU with
 ``--preset tiny-llama --device cpu`` (small sizes), which is how the script itself is tested.
@@ -525,7 +528,59 @@ def section_profile(args, device) -> None:
     record("profile", **tables)
 
 
-SECTIONS = {"attention": section_attention, "transformers": section_transformers, "engine": section_engine,
+def section_graphprofile(args, device) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from qml_runtime.loader import load_engine
+
+    engine = load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
+                         kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
+                         kv_host_gib=0, progress=False)
+    engine.warmup = False  # only the decode graphs matter here
+    engine.start()
+    V = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    steps = 64
+    decode = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    try:
+        for batch in (1, args.concurrency):
+            prompts = [torch.randint(300, V, (64,), generator=gen).tolist() for _ in range(batch)]
+            _timed_request(engine, prompts[0], decode)  # the graphs' first replays
+            stamps = [None] * batch
+            cuda = device.type == "cuda"
+            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                threads = [threading.Thread(target=lambda i=i: stamps.__setitem__(
+                    i, _timed_request(engine, prompts[i], decode))) for i in range(batch)]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+            # the decode span of the first request: from its first token to its last
+            wall_ms = (stamps[0][-1] - stamps[0][0]) / steps * 1e3
+            rows = []
+            for e in prof.key_averages():
+                t = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
+                    else e.self_cpu_time_total  # on CPU: the ops' own time (the script's own check)
+                if t > 0:
+                    rows.append((e.key[:90], e.count, t / 1e3))
+            rows.sort(key=lambda r: -r[2])
+            # everything the requests ran, prefills included (64-token prompts: small beside 64 steps)
+            per_step = sum(r[2] for r in rows) / (steps + 1)
+            kernels = sum(r[1] for r in rows) / (steps + 1)
+            print(f"batch {batch}: {wall_ms:.3f} ms per step, kernels {per_step:.3f} ms, {kernels:.0f} per step",
+                  flush=True)
+            for k, c, ms in rows[:18]:
+                print(f"  {ms / (steps + 1) * 1e3:8.1f} us/step {c / (steps + 1):6.1f}x  {k}", flush=True)
+            record("graphprofile", **{f"batch{batch}": {
+                "wall_ms_per_step": round(wall_ms, 3), "kernel_ms_per_step": round(per_step, 3),
+                "kernels_per_step": round(kernels, 1),
+                "kernels": [{"kernel": k, "calls_per_step": round(c / (steps + 1), 2),
+                             "us_per_step": round(ms / (steps + 1) * 1e3, 1)} for k, c, ms in rows[:18]]}})
+    finally:
+        engine.shutdown()
+
+
+SECTIONS = {"graphprofile": section_graphprofile, "attention": section_attention, "transformers": section_transformers, "engine": section_engine,
             "profile": section_profile, "firstcall": section_firstcall}
 
 
