@@ -14,6 +14,9 @@ Sections (each runs on its own; a failure is recorded and the next one runs):
   prompts), decode ms/token over 256 tokens with and without CUDA graphs, 32 concurrent
   requests of 2k-token prompts (aggregate tokens/s).
 - ``profile``: per-kernel GPU time of one eager decode step and one 2,340-token prefill.
+- ``overlap``: decode with and without overlap (the next step launched before the last one's
+  tokens are read): the same greedy tokens (one request; 8 requests admitted together), and
+  ms per step at 1 and ``--concurrency`` sequences.
 - ``graphprofile``: the engine's served decode (CUDA graphs, as ``engine`` runs it) under the
   profiler, at 1 and ``--concurrency`` sequences: kernel time per step beside the step's wall
   time, so the gap between the kernels (launch latency, idle SMs) shows.
@@ -580,7 +583,67 @@ def section_graphprofile(args, device) -> None:
         engine.shutdown()
 
 
-SECTIONS = {"graphprofile": section_graphprofile, "attention": section_attention, "transformers": section_transformers, "engine": section_engine,
+def section_overlap(args, device) -> None:
+    from qml_runtime.loader import load_engine
+
+    engine = load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
+                         kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
+                         kv_host_gib=0, progress=False)
+    engine.warmup = False
+    engine.start()
+    V = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(11)
+    steps = args.decode_tokens
+    decode = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+
+    def run(prompts):
+        outs = [None] * len(prompts)
+
+        def one(i):
+            stamps, tokens = [], []
+            done = threading.Event()
+
+            def emit(out):
+                stamps.append(time.perf_counter())
+                tokens.extend(out.token_ids)
+                if out.finished:
+                    done.set()
+
+            engine.submit(prompts[i], decode, emit)
+            done.wait()
+            outs[i] = (tokens, stamps)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return outs
+
+    try:
+        results = {}
+        for batch, prompt_len in ((1, 128), (8, 128), (args.concurrency, 128)):
+            prompts = [torch.randint(300, V, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+            row = {}
+            for overlap in (False, True, False, True):  # twice each: the first pair warms the graphs
+                engine.overlap = overlap
+                outs = run(prompts)
+                # steady decode: the middle half of the first request's tokens
+                stamps = outs[0][1]
+                a, b = len(stamps) // 4, 3 * len(stamps) // 4
+                row[f"overlap={overlap}"] = {"ms_per_step": round((stamps[b] - stamps[a]) / (b - a) * 1e3, 3),
+                                             "tokens": [o[0] for o in outs]}
+            same = row["overlap=False"]["tokens"] == row["overlap=True"]["tokens"]
+            results[f"batch{batch}"] = {"same_tokens": same, **{k: v["ms_per_step"] for k, v in row.items()}}
+            print(f"batch {batch}: same tokens {same}; ms/step without {row['overlap=False']['ms_per_step']}"
+                  f" with {row['overlap=True']['ms_per_step']}", flush=True)
+        record("overlap", **results)
+    finally:
+        engine.overlap = True
+        engine.shutdown()
+
+
+SECTIONS = {"overlap": section_overlap, "graphprofile": section_graphprofile, "attention": section_attention, "transformers": section_transformers, "engine": section_engine,
             "profile": section_profile, "firstcall": section_firstcall}
 
 

@@ -168,11 +168,19 @@ class DecodeGraphs(_GraphFamily):
         self.context_lens = torch.zeros(B, dtype=torch.int32, device=dev)
         self.cu_seqlens = torch.arange(B + 1, dtype=torch.int32, device=dev)
         self.sampling = _Sampling(B, dev)
-        self._host = torch.zeros(4, B, dtype=torch.int64, pin_memory=self.pinned)
-        self._host_f = torch.zeros(3, B, dtype=torch.float32, pin_memory=self.pinned)
-        self._host_i = torch.zeros(3, B, dtype=torch.int64, pin_memory=self.pinned)
-        self._host_tables = torch.zeros(B, self.max_pages, dtype=torch.int32, pin_memory=self.pinned)
+        # two sets of host staging, used in turn: the engine launches a step before the previous one
+        # has run (qml_runtime.engine, overlapped decode), and a step's copies may still be queued
+        # behind it when the next one fills its staging; the step before that has finished by then
+        self._staging = [self._new_staging(B) for _ in range(2)]
+        self._turn = 0
         self._eager_lens: list[int] = []
+
+    def _new_staging(self, B: int) -> tuple[torch.Tensor, ...]:
+        pin = self.pinned
+        return (torch.zeros(4, B, dtype=torch.int64, pin_memory=pin),  # token id, position, slot, length
+                torch.zeros(B, self.max_pages, dtype=torch.int32, pin_memory=pin),  # block tables
+                torch.zeros(3, B, dtype=torch.float32, pin_memory=pin),  # sampling floats
+                torch.zeros(3, B, dtype=torch.int64, pin_memory=pin))  # sampling ints
 
     def fits(self, batch_size: int, max_pages: int) -> bool:
         return batch_size <= self.max_batch and max_pages <= self.max_pages
@@ -192,11 +200,15 @@ class DecodeGraphs(_GraphFamily):
         self.context_lens.fill_(1)
 
     @torch.inference_mode()
-    def run(self, seqs: list) -> torch.Tensor:
-        """One decode step for ``seqs`` (each has exactly its last token uncomputed) -> tokens [B] on the device."""
+    def run(self, seqs: list, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step for ``seqs`` (each has exactly its last token uncomputed) -> tokens [B] on the device.
+
+        ``prev_tokens``: the previous step's tokens [B] on the device, row i the input of seqs[i] (whose
+        last token is then a placeholder: that step has not been waited for)."""
         B, S = len(seqs), self.block_size
         n = self.bucket(B)
-        host, tables = self._host, self._host_tables
+        host, tables, host_f, host_i = self._staging[self._turn]
+        self._turn ^= 1
         host[:, B:n] = 0
         host[2, B:n] = -1  # padding rows write no K/V
         rows = []
@@ -207,19 +219,21 @@ class DecodeGraphs(_GraphFamily):
         width = max(len(s.block_table) for s in seqs)
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        _Sampling.host_rows(seqs, self._host_f, self._host_i)
-        self._host_f[:, B:n] = 0.0  # padding rows: greedy
-        self._host_i[:, B:n] = 0
+        _Sampling.host_rows(seqs, host_f, host_i)
+        host_f[:, B:n] = 0.0  # padding rows: greedy
+        host_i[:, B:n] = 0
         self.inputs[:, :n].copy_(host[:, :n], non_blocking=True)
+        if prev_tokens is not None:  # after the staged row 0 (placeholders), in stream order
+            self.inputs[0, :B].copy_(prev_tokens[:B])
         self.context_lens[:n].copy_(host[3, :n], non_blocking=True)
         self.block_tables[:n, :width].copy_(tables[:n, :width], non_blocking=True)
-        self.sampling.floats[:, :n].copy_(self._host_f[:, :n], non_blocking=True)
-        self.sampling.ints[:, :n].copy_(self._host_i[:, :n], non_blocking=True)
+        self.sampling.floats[:, :n].copy_(host_f[:, :n], non_blocking=True)
+        self.sampling.ints[:, :n].copy_(host_i[:, :n], non_blocking=True)
         if not self.capture_enabled:
             self._eager_lens = host[3, :n].tolist()
             return self._eager(n)[:B]
         tokens = self._replay(n)
-        return self.run(seqs) if tokens is None else tokens[:B]
+        return self.run(seqs, prev_tokens) if tokens is None else tokens[:B]
 
 
 class PrefillGraphs(_GraphFamily):

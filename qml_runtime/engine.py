@@ -37,7 +37,7 @@ from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.disk_store import DiskStore
 from qml_runtime.kv.host_tier import HostTier
 from qml_runtime.kv.tiers import KVTiers
-from qml_runtime.runner import ModelRunner
+from qml_runtime.runner import Launched, ModelRunner
 from qml_runtime.sampling_params import InvalidParameter, RequestOutput, SamplingParams, TokenLogprob
 from qml_runtime.scheduler import Scheduler
 from qml_runtime.sequence import Sequence, Status
@@ -46,6 +46,9 @@ from qml_runtime.warmup import warm_up
 log = logging.getLogger("qml.engine")
 
 Emit = Callable[[RequestOutput | BaseException], None]
+
+# the token of a step launched behind another whose tokens are not yet known (never a real token id)
+PLACEHOLDER = -1
 
 
 @dataclass
@@ -64,7 +67,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, model_config: ModelConfig, *, model_id: str,
                  device: torch.device, dtype: torch.dtype, cache: CacheConfig, scheduler: SchedulerConfig,
                  context_length: int | None = None, info: dict | None = None, fingerprint: bytes = b"",
-                 cuda_graphs: bool = True, warmup: bool | None = None):
+                 cuda_graphs: bool = True, warmup: bool | None = None, overlap: bool = True):
         self.model, self.tokenizer, self.model_config = model, tokenizer, model_config
         self.model_id, self.device, self.dtype = model_id, device, dtype
         self.kv = KVCache(model_config, cache.num_blocks, cache.block_size, device, dtype)
@@ -87,6 +90,8 @@ class Engine:
         self.runner = ModelRunner(model, self.kv, device, stop_ids=frozenset(tokenizer.eos_token_ids), **graphs)
         # on by default where there is something to compile (a GPU); on CPU a test turns it on
         self.warmup = device.type == "cuda" if warmup is None else warmup
+        # decode steps launched one ahead of their tokens (_loop); False: every step waited for
+        self.overlap = overlap
         self.grammars = Grammars(tokenizer, model_config.vocab_size)
         self._info = dict(info or {})
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -296,72 +301,187 @@ class Engine:
     # --- the loop (engine thread) -----------------------------------------------------
 
     def _loop(self) -> None:
+        inflight: Launched | None = None  # a decode step on the device, its tokens not yet taken
         while not self._stopping:
-            self._drain_inbox()
-            if not self.scheduler.has_work():
-                self._wakeup.wait()
-                self._wakeup.clear()
-                continue
-            t_start = time.perf_counter()
             try:
-                batch = self.scheduler.schedule()
-            except Exception as exc:  # a scheduler bug must not kill the loop, nor hang the requests
-                log.exception("scheduling failed; failing %d request(s)", len(self._seqs))
+                inflight = self._iterate(inflight)
+            except Exception as exc:  # a bug must not kill the loop and leave every request hanging
+                log.exception("the engine loop failed; failing %d request(s)", len(self._seqs))
+                inflight = None
                 for seq in list(self._seqs.values()):
-                    self._fail(seq, exc)
-                continue
-            if not batch:
-                loads = self.scheduler.loading()
-                if loads:  # everything runnable waits for blocks streaming in from disk
-                    futures.wait([load.future for load in loads], timeout=0.05,
-                                 return_when=futures.FIRST_COMPLETED)
-                    continue
-                # nothing running and the head of the queue does not fit: it never will
-                seq = self.scheduler.waiting[0]
-                self._fail(seq, MemoryError("the KV cache cannot hold this request"))
-                continue
-            if self.tiers is not None:
-                self.tiers.flush_spills()  # pages evicted while scheduling are copied out before reuse
-            self._note_first_scheduled(batch.seqs)
-            # the prefill chunks (cached context, new tokens): what the restore planner weighs reading
-            # KV against; a step with decode rows is not one (their time is not a prefill's)
-            chunks = ([(s.num_computed, n) for s, n in zip(batch.seqs, batch.num_tokens)]
-                      if self.tiers is not None else [])
-            pure_prefill = sum(n for _, n in chunks) >= 64 and all(n > 1 for _, n in chunks)
-            t0 = time.perf_counter()
-            self.loop_seconds["schedule"] += t0 - t_start
-            try:
-                tokens, logprobs = self.runner.step(batch)
-            except Exception as exc:  # a failed step fails its requests, not the server
-                log.exception("engine step failed; failing %d request(s)", len(batch.seqs))
-                for seq in batch.seqs:
-                    self._fail(seq, exc)
-                continue
-            t1 = time.perf_counter()
-            self.loop_seconds["step"] += t1 - t0
-            self.loop_steps += 1
-            if pure_prefill:  # (no chunks without tiers)
-                self.tiers.planner.observe_prefill(chunks, t1 - t0)
-            for seq in batch.seqs:
-                self.scheduler.commit(seq)  # before any finishes: its pages are named, then released
-            for i, (seq, token) in enumerate(zip(batch.seqs, tokens)):
-                if token is None:
-                    continue
-                try:
-                    self._append(seq, token, None if logprobs is None else logprobs[i])
-                except Exception as exc:
-                    log.exception("request %s failed after its step", seq.request_id)
-                    self._fail(seq, exc)
-            self.loop_seconds["post"] += time.perf_counter() - t1
+                    if seq.status is not Status.FINISHED:
+                        self._fail(seq, exc)
+        if inflight is not None:
+            self._complete(inflight)
         for seq in list(self._seqs.values()):
             self._finish(seq, "abort", "")
 
-    def _drain_inbox(self) -> None:
+    def _iterate(self, inflight: Launched | None) -> Launched | None:
+        """One turn of the loop; returns the decode step left in flight, if any."""
+        drained = self._drain_inbox()
+        if inflight is not None:
+            # Overlap: the next decode step is queued before this one's tokens are waited for, so
+            # the host's work (collecting, detokenizing, streaming, launching) hides behind the
+            # device's. Anything new (a request, an abort) first waits for the step in flight.
+            following = None if drained else self._launch_following(inflight)
+            self._complete(inflight)
+            return following
+        if not self.scheduler.has_work():
+            self._wakeup.wait()
+            self._wakeup.clear()
+            return None
+        t_start = time.perf_counter()
+        try:
+            batch = self.scheduler.schedule()
+        except Exception as exc:  # a scheduler bug must not kill the loop, nor hang the requests
+            log.exception("scheduling failed; failing %d request(s)", len(self._seqs))
+            for seq in list(self._seqs.values()):
+                self._fail(seq, exc)
+            return None
+        if not batch:
+            loads = self.scheduler.loading()
+            if loads:  # everything runnable waits for blocks streaming in from disk
+                futures.wait([load.future for load in loads], timeout=0.05,
+                             return_when=futures.FIRST_COMPLETED)
+                return None
+            if not self.scheduler.waiting:  # (a bug: running sequences with nothing to compute)
+                for seq in list(self.scheduler.running):
+                    self._fail(seq, RuntimeError("the scheduler found nothing to run for this request"))
+                return None
+            # nothing running and the head of the queue does not fit: it never will
+            seq = self.scheduler.waiting[0]
+            self._fail(seq, MemoryError("the KV cache cannot hold this request"))
+            return None
+        if self.tiers is not None:
+            self.tiers.flush_spills()  # pages evicted while scheduling are copied out before reuse
+        self._note_first_scheduled(batch.seqs)
+        self.loop_seconds["schedule"] += time.perf_counter() - t_start
+        if self.overlap and self._plain_decode(batch):
+            try:
+                inflight = self.runner.launch(batch)
+            except Exception as exc:
+                log.exception("engine step failed; failing %d request(s)", len(batch.seqs))
+                for seq in batch.seqs:
+                    self._fail(seq, exc)
+                return None
+            self.loop_seconds["step"] += inflight.launch_seconds
+            return inflight
+        # the prefill chunks (cached context, new tokens): what the restore planner weighs reading
+        # KV against; a step with decode rows is not one (their time is not a prefill's)
+        chunks = ([(s.num_computed, n) for s, n in zip(batch.seqs, batch.num_tokens)]
+                  if self.tiers is not None else [])
+        pure_prefill = sum(n for _, n in chunks) >= 64 and all(n > 1 for _, n in chunks)
+        t0 = time.perf_counter()
+        try:
+            tokens, logprobs = self.runner.step(batch)
+        except Exception as exc:  # a failed step fails its requests, not the server
+            log.exception("engine step failed; failing %d request(s)", len(batch.seqs))
+            for seq in batch.seqs:
+                self._fail(seq, exc)
+            return None
+        t1 = time.perf_counter()
+        self.loop_seconds["step"] += t1 - t0
+        self.loop_steps += 1
+        if pure_prefill:  # (no chunks without tiers)
+            self.tiers.planner.observe_prefill(chunks, t1 - t0)
+        self._take_tokens(batch, tokens, logprobs)
+        self.loop_seconds["post"] += time.perf_counter() - t1
+        return None
+
+    def _plain_decode(self, batch) -> bool:
+        """A decode step the runner can launch without waiting for it (a graph, in-graph sampling)."""
+        return (all(n == 1 for n in batch.num_tokens)
+                and all(s.num_computed + 1 == s.num_tokens for s in batch.seqs)
+                and self.runner.can_launch(batch.seqs))
+
+    def _launch_following(self, inflight: Launched) -> Launched | None:
+        """Launch the decode step after ``inflight`` before its tokens are known, when it is certain to
+        be wanted: the same sequences, none of which can end on a length limit with the token in
+        flight (one that ends on a stop token or string wastes its row of this step). Each sequence
+        gets a placeholder for that token, filled in by ``_complete``."""
+        seqs = inflight.batch.seqs
+        for seq in seqs:
+            if seq.status is not Status.RUNNING or seq.grammar is not None \
+                    or seq.num_output_tokens + 1 >= seq.params.max_tokens \
+                    or seq.num_tokens + 1 >= self.context_length:
+                return None
+        if not self.runner.can_launch(seqs, extra_pages=1):
+            return None
+        t0 = time.perf_counter()
+        for seq in seqs:
+            seq.token_ids.append(PLACEHOLDER)
+        batch = self.scheduler.continue_decode(seqs)
+        if batch is None:
+            for seq in seqs:
+                seq.token_ids.pop()
+            return None
+        if self.tiers is not None:
+            self.tiers.flush_spills()
+        self.loop_seconds["schedule"] += time.perf_counter() - t0
+        try:
+            launched = self.runner.launch(batch, after=inflight)
+        except Exception:  # the step in flight is still collected; these sequences then go on synchronously
+            log.exception("launching an overlapped decode step failed")
+            for seq in seqs:
+                seq.token_ids.pop()
+                seq.num_computed = min(seq.num_computed, seq.num_tokens)
+            return None
+        self.loop_seconds["step"] += launched.launch_seconds
+        return launched
+
+    def _complete(self, launched: Launched) -> None:
+        """Wait for a launched step and hand its tokens to its sequences."""
+        t0 = time.perf_counter()
+        try:
+            tokens = self.runner.collect(launched)
+        except Exception as exc:
+            log.exception("engine step failed; failing %d request(s)", len(launched.batch.seqs))
+            for seq in launched.batch.seqs:
+                if seq.status is not Status.FINISHED:
+                    self._fail(seq, exc)
+            return
+        t1 = time.perf_counter()
+        self.loop_seconds["step"] += t1 - t0
+        self.loop_steps += 1
+        self._take_tokens(launched.batch, tokens, None)
+        self.loop_seconds["post"] += time.perf_counter() - t1
+
+    def _take_tokens(self, batch, tokens: list, logprobs) -> None:
+        """After a step: name the pages it filled, then give each sequence its token. A sequence that
+        finished while the step was on the device (an abort; a stop in the step before, with this
+        one launched behind it) gets nothing: its row was wasted work."""
+        live = [i for i, seq in enumerate(batch.seqs) if seq.status is not Status.FINISHED]
+        placed = set()
+        for i in live:  # before the pages are named: a placeholder may sit in a page that became full
+            seq, token = batch.seqs[i], tokens[i]
+            if token is not None and seq.token_ids[-1] == PLACEHOLDER:
+                seq.token_ids[-1] = token  # the step after this one is in flight: its input is known now
+                placed.add(i)
+        for i in live:
+            try:
+                self.scheduler.commit(batch.seqs[i])  # before any finishes: its pages are named, then released
+            except Exception as exc:
+                log.exception("request %s failed after its step", batch.seqs[i].request_id)
+                self._fail(batch.seqs[i], exc)
+        for i in live:
+            seq, token = batch.seqs[i], tokens[i]
+            if token is None or seq.status is Status.FINISHED:
+                continue
+            try:
+                self._append(seq, token, None if logprobs is None else logprobs[i], placed=i in placed)
+            except Exception as exc:
+                log.exception("request %s failed after its step", seq.request_id)
+                self._fail(seq, exc)
+
+    def _drain_inbox(self) -> bool:
+        """Take new requests and aborts; whether there were any."""
+        drained = False
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return drained
+            drained = True
             if isinstance(msg, _Add):
                 self._seqs[msg.seq.request_id] = msg.seq
                 self._emitters[msg.seq.request_id] = msg.emit
@@ -378,8 +498,10 @@ class Engine:
             if seq.request_id in self._seqs:  # not aborted while parked
                 self.scheduler.add(seq)
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
-        seq.token_ids.append(token)
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None, placed: bool = False) -> None:
+        """Give ``seq`` its next token (``placed``: already in ``token_ids``, where a placeholder was)."""
+        if not placed:
+            seq.token_ids.append(token)
         if seq.num_output_tokens == 1:
             self._release_followers(seq)  # its prompt's pages are named (committed) by now
         p = seq.params

@@ -14,6 +14,7 @@ graph's own tokens are dropped. Steps of plain requests never pay for that.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,17 @@ from qml_runtime.sampling_params import TokenLogprob
 from qml_runtime.scheduler import ScheduledBatch
 
 Logprobs = list[TokenLogprob | None] | None  # per sequence of the step; None when no sequence asked
+
+
+@dataclass
+class Launched:
+    """A decode step queued on the device and not waited for (``ModelRunner.launch``)."""
+
+    batch: ScheduledBatch
+    tokens: torch.Tensor  # [B] on the device: the graph's output buffer, the next step's inputs
+    host: torch.Tensor  # [B] the tokens' copy on the host, valid once ``ready`` has passed
+    ready: torch.cuda.Event | None  # None on CPU, where the copy is done when queued
+    launch_seconds: float
 
 
 class ModelRunner:
@@ -79,6 +91,47 @@ class ModelRunner:
         if p is not None and len(seqs) == 1 and p.fits(counts[0], len(seqs[0].block_table)):
             return p.run(seqs[0], counts[0]), p
         return None
+
+    def can_launch(self, seqs: list, extra_pages: int = 0) -> bool:
+        """Whether the decode step of ``seqs`` (one token each) can be launched without waiting for it:
+        a decode graph takes it, each table grown by up to ``extra_pages``, and no row needs sampling
+        outside the graph."""
+        g = self.graphs
+        return (g is not None and not any(s.custom_sampling for s in seqs)
+                and g.fits(len(seqs), max(len(s.block_table) for s in seqs) + extra_pages))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, after: Launched | None = None) -> Launched:
+        """Queue a plain decode step (``can_launch``) and return without waiting for its tokens.
+
+        ``after``: the step launched just before, over the same sequences in the same order, not
+        waited for either: its tokens (still on the device) are this step's inputs, and each
+        sequence's last token is a placeholder the engine fills in once that step is collected.
+        The tokens are copied to the host behind the step, so the next replay of the same graph
+        (which rewrites its output buffer) cannot overtake the copy."""
+        t0 = time.perf_counter()
+        seqs = batch.seqs
+        assert all(n == 1 for n in batch.num_tokens) and all(s.num_computed + 1 == s.num_tokens for s in seqs)
+        tokens = self.graphs.run(seqs, None if after is None else after.tokens)
+        for seq in seqs:
+            seq.num_computed += 1
+        cuda = tokens.device.type == "cuda"
+        host = torch.empty(len(seqs), dtype=tokens.dtype, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        elapsed = time.perf_counter() - t0
+        self.launch_seconds += elapsed
+        return Launched(batch, tokens, host, ready, elapsed)
+
+    @staticmethod
+    def collect(launched: Launched) -> list[int]:
+        """Wait for a launched step; its tokens, one per sequence."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return launched.host.tolist()
 
     def release(self, seq) -> None:
         """``seq`` is finished: free its logits-processing state."""

@@ -86,6 +86,23 @@ class Scheduler:
                 budget -= n
         return batch
 
+    def continue_decode(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+        """The step after a decode step still on the device, scheduled before its tokens are known:
+        ``seqs`` are that step's sequences, each with one token to compute (its last token, a
+        placeholder). Only when it is the step ``schedule`` would make: every running sequence
+        decodes, nobody waits to be admitted, and the pages it needs are free without preempting
+        anyone. Otherwise None, with nothing changed."""
+        if self.waiting or self.running != seqs or len(seqs) > self.config.budget(len(seqs)):
+            return None
+        if any(s.num_uncomputed != 1 or s.pending_load is not None for s in seqs):
+            return None
+        need = sum(self.blocks.blocks_needed(s.block_table, s.num_tokens) for s in seqs)
+        if need > self.blocks.num_free:
+            return None
+        for seq in seqs:
+            self.blocks.grow(seq.block_table, seq.num_tokens)
+        return ScheduledBatch(list(seqs), [1] * len(seqs))
+
     @staticmethod
     def _decode_rows(batch: ScheduledBatch) -> int:
         return sum(1 for n in batch.num_tokens if n == 1)

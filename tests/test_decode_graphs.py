@@ -56,13 +56,15 @@ def test_padded_static_decode_matches_plain_decode(engine):
               for i in range(len(texts))]
     plain = _run_concurrently(_engine(engine, graphs=False), prompts, params)
     eng = _engine(engine, graphs=True, block_size=8)  # small pages: tables grow during decode
-    calls, prefills = [], []
+    calls, prefills, overlapped = [], [], []
     run, prefill = eng.runner.graphs.run, eng.runner.prefill_graphs.run
-    eng.runner.graphs.run = lambda seqs: calls.append(len(seqs)) or run(seqs)
+    eng.runner.graphs.run = lambda seqs, prev=None: (calls.append(len(seqs)), overlapped.append(prev is not None),
+                                                     run(seqs, prev))[-1]
     eng.runner.prefill_graphs.run = lambda seq, n: prefills.append(n) or prefill(seq, n)
     padded = _run_concurrently(eng, prompts, params)
     assert calls and max(calls) > 1, "the static-buffer path did not run on batched decode"
     assert any(c not in eng.runner.graphs.buckets for c in calls), "no decode step needed padding"
+    assert any(overlapped), "no decode step was launched behind the one before (overlap)"
     for a, b in zip(plain, padded):
         assert a.token_ids == b.token_ids and a.text == b.text
 
