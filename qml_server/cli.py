@@ -143,6 +143,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
          help="the step budget when a single request is running or waiting: nobody's decode to protect, "
               "so its prompt is prefilled in chunks this large")
     flag("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (for debugging and comparison)")
+    flag("--no-overlap", action="store_true",
+         help="wait for each decode step's tokens before launching the next (by default the next step is "
+              "launched first, so the host's work hides behind the GPU's)")
     flag("--no-warmup", action="store_true",
          help="skip the start-up warm-up (GPU: compiles the eager prefill paths and measures the prefill "
               "time the restore planner uses; ~10 s for an 8B model)")
@@ -251,6 +254,8 @@ def serve_command(args: argparse.Namespace) -> int:
         return 1
     if args.no_warmup:
         engine.warmup = False
+    if args.no_overlap:
+        engine.overlap = False
 
     from qml_server.app import create_app
     from qml_server.lifecycle import serve
