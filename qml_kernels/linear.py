@@ -8,6 +8,7 @@ bound by the tensor cores (~700 TFLOP/s measured for cuBLAS at Llama-3.1-8B shap
 
 Implementations, behind one dispatch:
 - ``cublas``: torch's matmul (cuBLAS on CUDA, oneDNN/MKL on CPU).
+- ``gemv``: ``qml_kernels.gemv``, a weight stream for 1 to 4 tokens (decode), no tensor cores.
 - ``triton``: ``_linear_kernel``, a persistent GEMM. Each program walks output tiles in groups
   of ``group_m`` row-tiles (so the weight tiles it reuses are still in L2) and loads x and w
   through TMA tensor descriptors into shared memory, where wgmma (Hopper's asynchronous
@@ -17,7 +18,7 @@ Implementations, behind one dispatch:
   stream the weight.
 - ``reference``: ``linear_ref``, fp32 matmul; what every check compares against.
 
-Which of cublas/triton runs on a GPU is measured, not guessed: ``qml_kernels/tuning/linear_<gpu>.json``
+Which of cublas/triton/gemv runs on a GPU is measured, not guessed: ``qml_kernels/tuning/linear_<gpu>.json``
 names the faster verified one per (dtype, N, K, token bucket); unlisted shapes run cuBLAS.
 On CPU the public ``linear`` runs torch's matmul unless an implementation is forced.
 
@@ -39,6 +40,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qml_kernels import registry
+from qml_kernels.gemv import GemvConfig, gemv_capable, gemv_triton
 from qml_kernels.registry import dispatch, register
 from qml_kernels.tuning import TuningEntry, TuningTable, find_table, load_table, token_bucket
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
@@ -213,18 +215,23 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 # -- choosing between cuBLAS and Triton per shape (tuning table) ----------------------------------
 
-_IMPLS = ("triton", "cublas")
+_IMPLS = ("triton", "cublas", "gemv")
 _KEY_FIELDS = ("dtype", "N", "K", "T")
 _TABLE_OVERRIDE: list[TuningTable] = []  # innermost use_tuning_table() last
 
 
+def _make_config(**fields) -> LinearConfig | GemvConfig:
+    """An entry's config: the GEMM's (it has ``block_m``) or the decode GEMV's."""
+    return LinearConfig(**fields) if "block_m" in fields else GemvConfig(**fields)
+
+
 def load_linear_table(path) -> TuningTable:
-    return load_table(path, "linear", _KEY_FIELDS, _IMPLS, make_config=LinearConfig)
+    return load_table(path, "linear", _KEY_FIELDS, _IMPLS, make_config=_make_config)
 
 
 @functools.cache
 def _committed_table(device_name: str) -> TuningTable | None:
-    return find_table("linear", device_name, key_fields=_KEY_FIELDS, impls=_IMPLS, make_config=LinearConfig)
+    return find_table("linear", device_name, key_fields=_KEY_FIELDS, impls=_IMPLS, make_config=_make_config)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -282,9 +289,30 @@ def _tuned_to_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def preferred_impl(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """What runs these arguments on a GPU when nothing is forced: "triton" where the tuning table
-    measured it faster and it can take them, else "cublas"."""
+    """What runs these arguments on a GPU when nothing is forced: "triton" or "gemv" where the
+    tuning table measured it faster and it can take them, else "cublas"."""
+    if _gemv_supports(x, weight):
+        return "gemv"
     return "triton" if _triton_capable(x, weight) and _tuned_to_triton(x, weight) else "cublas"
+
+
+def linear_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                config: GemvConfig | None = None) -> torch.Tensor:
+    """``qml_kernels.gemv``, with the tuning table's config for this shape when given none."""
+    if config is None:
+        entry = tuned_entry(x, weight)
+        if entry is not None and isinstance(entry.config, GemvConfig):
+            config = entry.config
+    return gemv_triton(x, weight, out, config)
+
+
+def _gemv_supports(x, weight, out=None, config=None) -> bool:
+    if not gemv_capable(x, weight, out):
+        return False
+    if registry.forced_impl("linear") == "gemv":
+        return True
+    entry = tuned_entry(x, weight)
+    return entry is not None and entry.impl == "gemv"
 
 
 def _triton_supports(x, weight, out=None, config=None) -> bool:
@@ -296,6 +324,7 @@ def _triton_supports(x, weight, out=None, config=None) -> bool:
 
 
 register("linear", "reference", linear_ref)
+register("linear", "gemv", linear_gemv, devices=("cuda",), supports=_gemv_supports)
 register("linear", "triton", linear_triton, devices=("cuda",), supports=_triton_supports)
 register("linear", "cublas", linear_cublas, devices=("cuda", "cpu"))
 
