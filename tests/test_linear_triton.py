@@ -11,11 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from qml_kernels import registry
+from qml_kernels.gemv import MAX_TOKENS, GemvConfig
 from qml_kernels.linear import (
     H200_SMS,
     LINEAR_SPEC,
     LinearConfig,
     _linear_kernel,
+    _make_config,
     default_config,
     linear,
     linear_config,
@@ -178,14 +180,16 @@ def test_tuning_table_rejects_bad_entries(tmp_path, entries, match):
 def test_committed_table():
     """The packaged H200 table loads, is found by the H200's device name, and only names real choices."""
     table = load_linear_table(TABLE_DIR / "linear_h200.json")
-    found = find_table("linear", "NVIDIA H200", key_fields=("dtype", "N", "K", "T"), impls=("triton", "cublas"),
-                       make_config=LinearConfig)
+    impls = ("triton", "cublas", "gemv")
+    found = find_table("linear", "NVIDIA H200", key_fields=("dtype", "N", "K", "T"), impls=impls,
+                       make_config=_make_config)
     assert found is not None and found.source == table.source
-    assert find_table("linear", "NVIDIA A100-SXM4-80GB", key_fields=("dtype", "N", "K", "T"),
-                      impls=("triton", "cublas")) is None
+    assert find_table("linear", "NVIDIA A100-SXM4-80GB", key_fields=("dtype", "N", "K", "T"), impls=impls) is None
     for (dtype, N, K, T), entry in table.entries.items():
         assert T == token_bucket(T), f"{(dtype, N, K, T)}: T must be a bucket (a power of two)"
-        assert entry.impl == "cublas" or isinstance(entry.config, LinearConfig), f"{(dtype, N, K, T)}: no config"
+        expected = {"cublas": type(None), "triton": LinearConfig, "gemv": GemvConfig}[entry.impl]
+        assert isinstance(entry.config, expected), f"{(dtype, N, K, T)}: {entry.impl} with {entry.config}"
+        assert entry.impl != "gemv" or T <= MAX_TOKENS, f"{(dtype, N, K, T)}: more rows than the GEMV takes"
 
 
 def test_token_bucket():
