@@ -643,7 +643,8 @@ def section_overlap(args, device) -> None:
         engine.shutdown()
 
 
-SECTIONS = {"overlap": section_overlap, "graphprofile": section_graphprofile, "attention": section_attention, "transformers": section_transformers, "engine": section_engine,
+SECTIONS = {"overlap": section_overlap, "graphprofile": section_graphprofile,
+            "attention": section_attention, "transformers": section_transformers, "engine": section_engine,
             "profile": section_profile, "firstcall": section_firstcall}
 
 

@@ -104,7 +104,6 @@ def main() -> int:
             rows.append({"shape": name, "N": N, "K": K, "T": T, "impl": "cublas", "us": round(cublas, 2)})
             if best[1] < cublas / 1.03:
                 entries.append({"dtype": "bfloat16", "N": N, "K": K, "T": T, "impl": "gemv", "config": best[0]})
-        del ws
     stamp = datetime.date.today().isoformat()
     meta = {"date": stamp, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "command": "python " + " ".join(sys.argv)}

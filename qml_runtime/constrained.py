@@ -18,6 +18,7 @@ tokens. The engine advances the matcher with each sampled token and ends the seq
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ import torch
 # own "x-guidance" options.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+
+log = logging.getLogger("qml.constrained")
 
 
 class GrammarError(ValueError):
@@ -103,9 +106,10 @@ class GrammarMatcher:
 class Grammars:
     """The engine's side of llguidance: its view of the tokenizer and the compiled grammars.
 
-    The tokenizer view (a token trie, ~0.2 s for 49k tokens) is built at the first constrained
-    request. Compiled matchers are kept per grammar (LRU): a repeated schema, and each choice
-    of an ``n > 1`` request, starts from a copy instead of compiling again.
+    The tokenizer view (a token trie, ~0.2 s for 49k tokens) is built by ``prepare`` (the server calls
+    it on a thread at start-up) or else at the first constrained request. Compiled matchers are kept per
+    grammar (LRU): a repeated schema, and each choice of an ``n > 1`` request, starts from a copy
+    instead of compiling again.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = 64):
@@ -122,6 +126,16 @@ class Grammars:
             self._ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=n_vocab,
                                                         eos_token=sorted(self.tokenizer.eos_token_ids))
         return self._ll_tokenizer
+
+    def prepare(self) -> None:
+        """Build the tokenizer view now (a server calls this on a thread at start-up, so the first
+        constrained request does not pay for it on the event loop). Failing here is not an error:
+        the first constrained request then reports it."""
+        try:
+            with self._lock:
+                self._tokenizer()
+        except Exception as exc:  # a tokenizer llguidance cannot read: requests will say so
+            log.info("structured output unavailable for this tokenizer: %s", exc)
 
     def matcher(self, grammar: str) -> GrammarMatcher:
         """A fresh matcher at the start of ``grammar``; GrammarError if it does not compile."""

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -103,6 +104,9 @@ def create_app(
         else:
             await _maybe_await(engine.start())
             log.info("engine started: %s", _describe(engine))
+        grammars = getattr(engine, "grammars", None)
+        if grammars is not None:  # the structured-output tokenizer view, off the event loop
+            threading.Thread(target=grammars.prepare, name="qml-grammars", daemon=True).start()
         try:
             yield
         finally:

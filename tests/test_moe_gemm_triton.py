@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from qml_kernels import registry
 from qml_kernels.moe_gemm import (
-    MOE_GEMM_SPEC,
     LARGE_TILE_CONFIG,
     MID_TILE_CONFIG,
+    MOE_GEMM_SPEC,
     SMALL_TILE_CONFIG,
     MoEGemmConfig,
     _moe_gemm_kernel,

@@ -10,6 +10,7 @@ fake engine where a reply has to be a given text (a Hermes tool call under tool_
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -408,3 +409,33 @@ def test_completions_take_response_format():
     assert r.status_code == 200 and fake.calls[-1].params.grammar is not None
     assert_error(client.post("/v1/completions", json={"prompt": "x", "response_format": {"type": "json_schema"}}),
                  400, MISSING, "response_format.json_schema")
+
+
+def test_the_tokenizer_view_is_built_at_server_start_not_at_the_first_request(engine):
+    """``Grammars.prepare`` builds llguidance's view of the tokenizer; a server runs it on a thread as
+    it starts, so the first constrained request does not build it on the event loop."""
+    fresh = Grammars(engine.tokenizer, engine.model_config.vocab_size)
+    assert fresh._ll_tokenizer is None
+    fresh.prepare()
+    assert fresh._ll_tokenizer is not None
+    fresh.matcher(json_schema_grammar({"type": "object"}))  # and it serves matchers
+
+    fake = FakeEngine()
+    prepared = []
+    fake.grammars = type("G", (), {"prepare": lambda self: prepared.append(True)})()
+    with TestClient(create_app(fake)):
+        for _ in range(100):
+            if prepared:
+                break
+            time.sleep(0.01)
+    assert prepared == [True]
+
+
+def test_prepare_with_a_tokenizer_llguidance_cannot_read_is_not_an_error():
+    class NoBackend:
+        vocab_size, eos_token_ids = 10, {0}
+
+    grammars = Grammars(NoBackend(), 10)
+    grammars.prepare()  # logs, does not raise
+    with pytest.raises(Exception):
+        grammars.matcher(json_schema_grammar({"type": "object"}))
