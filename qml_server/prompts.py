@@ -11,6 +11,7 @@ from typing import Any
 
 from qml_server.errors import bad_request
 from qml_server.schemas import check_token_ids
+from qml_server.tools import ToolUse, prompt_messages
 
 
 def chat_prompt_ids(
@@ -23,6 +24,15 @@ def chat_prompt_ids(
         # ChatTemplateError (a ValueError): the conversation does not fit the model's
         # template, e.g. roles out of the order it insists on. The client's to fix.
         raise bad_request(f"The chat template rejected the messages: {exc}", param="messages") from None
+
+
+def chat_prompt_ids_with_tools(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolUse | None,
+                               add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> list[int]:
+    """``chat_prompt_ids`` with the request's tools: given to a template that writes them, else put in a
+    system turn (``qml_server.tools.prompt_messages``)."""
+    template = getattr(tokenizer, "chat_template", None)
+    messages, extra = prompt_messages(messages, tools, bool(getattr(template, "writes_tools", False)))
+    return chat_prompt_ids(tokenizer, messages, add_generation_prompt, {**template_kwargs, **extra})
 
 
 def text_prompt_ids(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -21,10 +21,10 @@ from qml_server.generation import (
     usage,
 )
 from qml_server.logprobs import TokenText, chat_logprobs
-from qml_server.prompts import chat_prompt_ids
+from qml_server.prompts import chat_prompt_ids_with_tools
 from qml_server.schemas import ChatRequest, check_model, check_token_ids, parse_chat_request, resolve_max_tokens
 from qml_server.sse import EventStreamResponse
-from qml_server.tools import ToolCallStream, parse_tool_calls, prompt_messages
+from qml_server.tools import ToolCallStream, parse_tool_calls
 
 
 @api_endpoint
@@ -107,10 +107,7 @@ def _message(req: ChatRequest, text: str, finish_reason: str) -> tuple[dict[str,
 
 
 def _render_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:
-    # a template that writes `tools` itself gets them; for one that does not, they go in a system turn
-    template = getattr(tokenizer, "chat_template", None)
-    messages, extra = prompt_messages(req.messages, req.tools, bool(getattr(template, "writes_tools", False)))
-    ids = chat_prompt_ids(tokenizer, messages, True, {**req.chat_template_kwargs, **extra})
+    ids = chat_prompt_ids_with_tools(tokenizer, req.messages, req.tools, True, req.chat_template_kwargs)
     if not ids:
         raise bad_request("The rendered prompt is empty", param="messages")
     return ids

@@ -1,7 +1,7 @@
 """POST /tokenize and POST /detokenize (vLLM's shapes).
 
 /tokenize counts a prompt exactly as the generation routes will: ``prompt`` as
-/v1/completions encodes it, ``messages`` through the chat template as
+/v1/completions encodes it, ``messages`` (with ``tools``, if any) through the chat template as
 /v1/chat/completions renders it. Clients use it to size prompts against
 ``max_model_len`` before sending them.
 """
@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from qml_server.errors import api_endpoint
 from qml_server.fields import read_json_object
-from qml_server.prompts import chat_prompt_ids, text_prompt_ids
+from qml_server.prompts import chat_prompt_ids_with_tools, text_prompt_ids
 from qml_server.schemas import TokenizeRequest, check_model, parse_detokenize_request, parse_tokenize_request
 
 
@@ -40,6 +40,7 @@ async def detokenize(request: Request) -> Response:
 
 def _token_ids(tokenizer, req: TokenizeRequest) -> list[int]:
     if req.messages is not None:
-        return chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        return chat_prompt_ids_with_tools(tokenizer, req.messages, req.tools, req.add_generation_prompt,
+                                          req.chat_template_kwargs)
     assert req.prompt is not None
     return text_prompt_ids(tokenizer, req.prompt, req.add_special_tokens)

@@ -95,7 +95,8 @@ CHAT_FIELDS = frozenset(
 )
 COMPLETION_FIELDS = frozenset(_GENERAL | _SAMPLING | {"prompt"})
 TOKENIZE_FIELDS = frozenset(
-    {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt", "chat_template_kwargs"}
+    {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt", "chat_template_kwargs",
+     "tools", "tool_choice", "parallel_tool_calls"}
 )
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
@@ -175,6 +176,7 @@ class TokenizeRequest:
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: ToolUse | None = None  # rendered as chat renders them: the count includes them
 
 
 @dataclass(frozen=True)
@@ -243,7 +245,7 @@ def parse_completion_request(body: JsonObject) -> CompletionRequest:
     )
 
 
-_CHAT_ONLY = ("add_generation_prompt", "chat_template_kwargs")
+_CHAT_ONLY = ("add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls")
 
 
 def parse_tokenize_request(body: JsonObject) -> TokenizeRequest:
@@ -274,6 +276,7 @@ def parse_tokenize_request(body: JsonObject) -> TokenizeRequest:
         messages=_parse_messages(body["messages"]),
         add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
         chat_template_kwargs=_template_kwargs(body),
+        tools=parse_tool_use(body),
     )
 
 

@@ -439,3 +439,24 @@ def test_prepare_with_a_tokenizer_llguidance_cannot_read_is_not_an_error():
     grammars.prepare()  # logs, does not raise
     with pytest.raises(Exception):
         grammars.matcher(json_schema_grammar({"type": "object"}))
+
+
+def test_tokenize_counts_the_tools_as_chat_renders_them():
+    """/tokenize with ``tools`` gives the ids chat generates from with the same tools, which differ
+    from the count without them; tools only go with ``messages``."""
+    fake = FakeEngine(context_length=4096)  # the tools system turn is long
+    weather = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    with TestClient(create_app(fake)) as c:
+        c.post("/v1/chat/completions", json={"messages": messages, "tools": weather, "max_tokens": 1})
+        generated = fake.calls[-1].prompt_ids
+        with_tools = c.post("/tokenize", json={"messages": messages, "tools": weather}).json()
+        without = c.post("/tokenize", json={"messages": messages}).json()
+        none = c.post("/tokenize", json={"messages": messages, "tools": weather, "tool_choice": "none"}).json()
+        assert with_tools["tokens"] == generated and with_tools["count"] == len(generated)
+        assert without["count"] < with_tools["count"] and none["tokens"] == without["tokens"]
+        assert_error(c.post("/tokenize", json={"prompt": "hi", "tools": weather}), 400, "invalid_value", "tools")
+        assert_error(c.post("/tokenize", json={"messages": messages, "tools": [{"type": "nope"}]}), 400,
+                     "unsupported_parameter", "tools[0].type")
