@@ -316,8 +316,18 @@ def section_transformers(args, device) -> None:
 
 # --- engine ----------------------------------------------------------------------------------
 
-def _timed_request(engine, ids: list[int], params: SamplingParams) -> list[float]:
-    """Submit one request; returns the arrival time of each token (perf_counter), from submit = 0."""
+def _served_engine(args, device):
+    """The preset's engine as the engine sections measure it (random weights, no host tier)."""
+    from qml_runtime.loader import load_engine
+
+    return load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
+                       kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
+                       kv_host_gib=0, progress=False)
+
+
+def _timed_request(engine, ids: list[int], params: SamplingParams, tokens: list[int] | None = None) -> list[float]:
+    """Submit one request; returns the arrival time of each token (perf_counter), from submit = 0.
+    ``tokens``: a list the request's token ids are appended to."""
     done, stamps = threading.Event(), []
     t0 = time.perf_counter()
 
@@ -328,6 +338,8 @@ def _timed_request(engine, ids: list[int], params: SamplingParams) -> list[float
             return
         now = time.perf_counter() - t0
         stamps.extend([now] * len(out.token_ids))
+        if tokens is not None:
+            tokens.extend(out.token_ids)
         if out.finished:
             done.set()
 
@@ -338,18 +350,42 @@ def _timed_request(engine, ids: list[int], params: SamplingParams) -> list[float
     return stamps
 
 
+def _concurrent_requests(engine, prompts: list[list[int]], params: SamplingParams,
+                         tokens: list[list[int]] | None = None) -> list[list[float]]:
+    """Submit every prompt at once (a thread each); each request's token stamps (``_timed_request``),
+    and its token ids into ``tokens[i]`` when given."""
+    results = [None] * len(prompts)
+
+    def one(i):
+        results[i] = _timed_request(engine, prompts[i], params, None if tokens is None else tokens[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return results
+
+
+def _kernel_rows(prof, cuda: bool = True) -> list[tuple[str, int, float]]:
+    """(kernel, calls, ms) of a profile, longest first: GPU time, or on CPU the ops' own time."""
+    rows = []
+    for e in prof.key_averages():
+        t = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
+            else e.self_cpu_time_total
+        if t > 0:
+            rows.append((e.key[:90], e.count, t / 1e3))
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def _loop_counters(engine) -> dict:
     """The engine thread's cumulative time split (schedule / step / post, launch inside step) and steps."""
     return dict(engine.loop_seconds, launch=engine.runner.launch_seconds, steps=engine.loop_steps)
 
 
 def section_engine(args, device) -> None:
-    from qml_runtime.loader import load_engine
-
     t0 = time.perf_counter()
-    engine = load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
-                         kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
-                         kv_host_gib=0, progress=False)
+    engine = _served_engine(args, device)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine.start()  # captures the decode graphs
@@ -399,15 +435,8 @@ def section_engine(args, device) -> None:
         record("engine", **{f"decode_ms_per_token_{mode}": round(ms, 3), f"decode_loop_ms_{mode}": loop_split()})
     # 32 conversations at once, each a new 2k-token prompt and 256 generated tokens
     N, n_ctx = args.concurrency, args.concurrency_prompt
-    results, threads = [None] * N, []
     t0 = time.perf_counter()
-    for i in range(N):
-        ids = prompt(n_ctx)
-        th = threading.Thread(target=lambda i=i, ids=ids: results.__setitem__(i, _timed_request(engine, ids, decode)))
-        th.start()
-        threads.append(th)
-    for th in threads:
-        th.join()
+    results = _concurrent_requests(engine, [prompt(n_ctx) for _ in range(N)], decode)
     wall = time.perf_counter() - t0
     record("engine", concurrency_loop_ms=loop_split())
     total = sum(len(r) for r in results)
@@ -424,11 +453,7 @@ def section_engine(args, device) -> None:
 def section_firstcall(args, device) -> None:
     """What a prompt length the server has not seen yet costs (compiles, cuDNN plans), and where a
     short turn over a long cached history spends its time."""
-    from qml_runtime.loader import load_engine
-
-    engine = load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
-                         kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
-                         kv_host_gib=0, progress=False)
+    engine = _served_engine(args, device)
     engine.start()
     V = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(5)
@@ -516,12 +541,7 @@ def section_profile(args, device) -> None:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 fn()
                 sync(device)
-            rows = []
-            for e in prof.key_averages():
-                t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-                if t > 0:
-                    rows.append((e.key[:90], e.count, t / 1e3))
-            rows.sort(key=lambda r: -r[2])
+            rows = _kernel_rows(prof)
             total = sum(r[2] for r in rows)
             tables[name] = {"total_gpu_ms": round(total, 3),
                             "kernels": [{"kernel": k, "calls": c, "ms": round(ms, 3)} for k, c, ms in rows[:14]]}
@@ -534,11 +554,7 @@ def section_profile(args, device) -> None:
 def section_graphprofile(args, device) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from qml_runtime.loader import load_engine
-
-    engine = load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
-                         kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
-                         kv_host_gib=0, progress=False)
+    engine = _served_engine(args, device)
     engine.warmup = False  # only the decode graphs matter here
     engine.start()
     V = engine.model_config.vocab_size
@@ -549,24 +565,12 @@ def section_graphprofile(args, device) -> None:
         for batch in (1, args.concurrency):
             prompts = [torch.randint(300, V, (64,), generator=gen).tolist() for _ in range(batch)]
             _timed_request(engine, prompts[0], decode)  # the graphs' first replays
-            stamps = [None] * batch
             cuda = device.type == "cuda"
             with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-                threads = [threading.Thread(target=lambda i=i: stamps.__setitem__(
-                    i, _timed_request(engine, prompts[i], decode))) for i in range(batch)]
-                for th in threads:
-                    th.start()
-                for th in threads:
-                    th.join()
+                stamps = _concurrent_requests(engine, prompts, decode)
             # the decode span of the first request: from its first token to its last
             wall_ms = (stamps[0][-1] - stamps[0][0]) / steps * 1e3
-            rows = []
-            for e in prof.key_averages():
-                t = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
-                    else e.self_cpu_time_total  # on CPU: the ops' own time (the script's own check)
-                if t > 0:
-                    rows.append((e.key[:90], e.count, t / 1e3))
-            rows.sort(key=lambda r: -r[2])
+            rows = _kernel_rows(prof, cuda)  # on CPU: the ops' own time (the script's own check)
             # everything the requests ran, prefills included (64-token prompts: small beside 64 steps)
             per_step = sum(r[2] for r in rows) / (steps + 1)
             kernels = sum(r[1] for r in rows) / (steps + 1)
@@ -584,41 +588,13 @@ def section_graphprofile(args, device) -> None:
 
 
 def section_overlap(args, device) -> None:
-    from qml_runtime.loader import load_engine
-
-    engine = load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
-                         kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
-                         kv_host_gib=0, progress=False)
+    engine = _served_engine(args, device)
     engine.warmup = False
     engine.start()
     V = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(11)
     steps = args.decode_tokens
     decode = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-
-    def run(prompts):
-        outs = [None] * len(prompts)
-
-        def one(i):
-            stamps, tokens = [], []
-            done = threading.Event()
-
-            def emit(out):
-                stamps.append(time.perf_counter())
-                tokens.extend(out.token_ids)
-                if out.finished:
-                    done.set()
-
-            engine.submit(prompts[i], decode, emit)
-            done.wait()
-            outs[i] = (tokens, stamps)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        return outs
 
     try:
         results = {}
@@ -627,12 +603,12 @@ def section_overlap(args, device) -> None:
             row = {}
             for overlap in (False, True, False, True):  # twice each: the first pair warms the graphs
                 engine.overlap = overlap
-                outs = run(prompts)
+                tokens = [[] for _ in prompts]
+                stamps = _concurrent_requests(engine, prompts, decode, tokens)[0]
                 # steady decode: the middle half of the first request's tokens
-                stamps = outs[0][1]
                 a, b = len(stamps) // 4, 3 * len(stamps) // 4
                 row[f"overlap={overlap}"] = {"ms_per_step": round((stamps[b] - stamps[a]) / (b - a) * 1e3, 3),
-                                             "tokens": [o[0] for o in outs]}
+                                             "tokens": tokens}
             same = row["overlap=False"]["tokens"] == row["overlap=True"]["tokens"]
             results[f"batch{batch}"] = {"same_tokens": same, **{k: v["ms_per_step"] for k, v in row.items()}}
             print(f"batch {batch}: same tokens {same}; ms/step without {row['overlap=False']['ms_per_step']}"
