@@ -356,7 +356,7 @@ class Engine:
             self.tiers.flush_spills()  # pages evicted while scheduling are copied out before reuse
         self._note_first_scheduled(batch.seqs)
         self.loop_seconds["schedule"] += time.perf_counter() - t_start
-        if self.overlap and self._plain_decode(batch):
+        if self.overlap and self.runner.launchable(batch):
             try:
                 inflight = self.runner.launch(batch)
             except Exception as exc:
@@ -387,12 +387,6 @@ class Engine:
         self._take_tokens(batch, tokens, logprobs)
         self.loop_seconds["post"] += time.perf_counter() - t1
         return None
-
-    def _plain_decode(self, batch) -> bool:
-        """A decode step the runner can launch without waiting for it (a graph, in-graph sampling)."""
-        return (all(n == 1 for n in batch.num_tokens)
-                and all(s.num_computed + 1 == s.num_tokens for s in batch.seqs)
-                and self.runner.can_launch(batch.seqs))
 
     def _launch_following(self, inflight: Launched) -> Launched | None:
         """Launch the decode step after ``inflight`` before its tokens are known, when it is certain to

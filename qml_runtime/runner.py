@@ -83,22 +83,31 @@ class ModelRunner:
         """The step's sampled tokens through a CUDA graph [B] (device) and the graph family that ran
         (its ``last_logits`` hold the step's logits), or None when no graph fits."""
         seqs, counts = batch.seqs, batch.num_tokens
-        g = self.graphs
-        if g is not None and all(n == 1 for n in counts) and all(s.num_computed + 1 == s.num_tokens for s in seqs) \
-                and g.fits(len(seqs), max(len(s.block_table) for s in seqs)):
-            return g.run(seqs), g
+        if self._is_decode(batch) and self._decode_graph_fits(seqs):
+            return self.graphs.run(seqs), self.graphs
         p = self.prefill_graphs
         if p is not None and len(seqs) == 1 and p.fits(counts[0], len(seqs[0].block_table)):
             return p.run(seqs[0], counts[0]), p
         return None
 
+    @staticmethod
+    def _is_decode(batch: ScheduledBatch) -> bool:
+        """One token for each sequence, its last (the step samples every row)."""
+        return all(n == 1 for n in batch.num_tokens) and all(s.num_computed + 1 == s.num_tokens for s in batch.seqs)
+
+    def _decode_graph_fits(self, seqs: list, extra_pages: int = 0) -> bool:
+        g = self.graphs
+        return g is not None and g.fits(len(seqs), max(len(s.block_table) for s in seqs) + extra_pages)
+
     def can_launch(self, seqs: list, extra_pages: int = 0) -> bool:
         """Whether the decode step of ``seqs`` (one token each) can be launched without waiting for it:
         a decode graph takes it, each table grown by up to ``extra_pages``, and no row needs sampling
         outside the graph."""
-        g = self.graphs
-        return (g is not None and not any(s.custom_sampling for s in seqs)
-                and g.fits(len(seqs), max(len(s.block_table) for s in seqs) + extra_pages))
+        return self._decode_graph_fits(seqs, extra_pages) and not any(s.custom_sampling for s in seqs)
+
+    def launchable(self, batch: ScheduledBatch) -> bool:
+        """Whether ``batch`` is a decode step that ``launch`` takes (``can_launch``)."""
+        return self._is_decode(batch) and self.can_launch(batch.seqs)
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, after: Launched | None = None) -> Launched:
@@ -111,7 +120,7 @@ class ModelRunner:
         (which rewrites its output buffer) cannot overtake the copy."""
         t0 = time.perf_counter()
         seqs = batch.seqs
-        assert all(n == 1 for n in batch.num_tokens) and all(s.num_computed + 1 == s.num_tokens for s in seqs)
+        assert self._is_decode(batch)
         tokens = self.graphs.run(seqs, None if after is None else after.tokens)
         for seq in seqs:
             seq.num_computed += 1
