@@ -20,6 +20,8 @@ Sections (each runs on its own; a failure is recorded and the next one runs):
 - ``graphprofile``: the engine's served decode (CUDA graphs, as ``engine`` runs it) under the
   profiler, at 1 and ``--concurrency`` sequences: kernel time per step beside the step's wall
   time, so the gap between the kernels (launch latency, idle SMs) shows.
+- ``prefillprobe``: fresh prefills of 1k-4k tokens timed in two engine starts, three of them
+  profiled (GPU kernel time, launches, host syncs): where a mid-size prefill's time goes.
 
 Writes ``engine-<gpu>.json`` and ``.md`` under --out as it goes. Also runs on CPU with
 ``--preset tiny-llama --device cpu`` (small sizes), which is how the script itself is tested.
@@ -551,6 +553,47 @@ def section_profile(args, device) -> None:
     record("profile", **tables)
 
 
+def section_prefillprobe(args, device) -> None:
+    """Fresh prefills between 1k and 4k tokens, timed and profiled in two engine starts: is the
+    time on the GPU (kernels) or on the host (launches, syncs), and does it change between starts?"""
+    from torch.profiler import ProfilerActivity, profile
+
+    sizes = [1024, 1100, 1500, 2048, 2340, 3000, 4100]
+    host_ops = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::item",
+                "aten::_local_scalar_dense", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+    for start in range(2):
+        engine = _served_engine(args, device)
+        engine.start()
+        V = engine.model_config.vocab_size
+        gen = torch.Generator().manual_seed(11 + start)
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        ttft = {}
+        for n in [n for n in sizes if n < engine.context_length]:
+            times = [_timed_request(engine, torch.randint(300, V, (n,), generator=gen).tolist(), one)[0] * 1e3
+                     for _ in range(3)]
+            ttft[n] = [round(t, 1) for t in times]
+            print(f"start {start}: fresh {n}: {ttft[n]} ms", flush=True)
+        profiles = {}
+        for n in [n for n in (1500, 2048, 2340) if n < engine.context_length]:
+            ids = torch.randint(300, V, (n,), generator=gen).tolist()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                wall = _timed_request(engine, ids, one)[0] * 1e3
+            gpu_rows = _kernel_rows(prof)
+            counts = {e.key: e.count for e in prof.key_averages() if e.key in host_ops}
+            cpu_ms = {e.key: round(e.self_cpu_time_total / 1e3, 2) for e in prof.key_averages() if e.key in host_ops}
+            kernels = [r for r in gpu_rows if not r[0].startswith(("Memcpy", "Memset"))]
+            profiles[n] = {"ttft_ms_profiled": round(wall, 1),
+                           "gpu_kernel_ms": round(sum(r[2] for r in kernels), 2),
+                           "kernel_launches": sum(r[1] for r in kernels),
+                           "host_calls": counts, "host_self_ms": cpu_ms,
+                           "top": [{"kernel": k, "calls": c, "ms": round(ms, 3)} for k, c, ms in gpu_rows[:12]]}
+            print(f"start {start}: profile {n}:", json.dumps(profiles[n])[:1500], flush=True)
+        record("prefillprobe", **{f"start{start}": {"ttft_ms": ttft, "profiles": profiles}})
+        engine.shutdown()
+        del engine
+        free_memory()
+
+
 def section_graphprofile(args, device) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -621,7 +664,7 @@ def section_overlap(args, device) -> None:
 
 SECTIONS = {"overlap": section_overlap, "graphprofile": section_graphprofile,
             "attention": section_attention, "transformers": section_transformers, "engine": section_engine,
-            "profile": section_profile, "firstcall": section_firstcall}
+            "profile": section_profile, "firstcall": section_firstcall, "prefillprobe": section_prefillprobe}
 
 
 def write(out: Path, stem: str, meta: dict) -> None:
