@@ -25,6 +25,7 @@ OP_MODULES = (
     "qml_kernels.linear",
     "qml_kernels.moe_routing",
     "qml_kernels.moe_gemm",
+    "qml_kernels.page_copy",
 )
 
 

@@ -52,10 +52,17 @@ def decode_buckets(max_batch: int) -> list[int]:
     return sorted({b for b in sizes if b <= max_batch} | {max_batch})
 
 
-# Prompt chunks up to 1024 tokens: beyond that the GPU time of a step exceeds its host time
-# and eager launches are hidden behind it.
+# Prompt chunks up to 4096 tokens. Up to 1024 the GPU time of a step is below its host time.
+# Between 1k and 4k they are close, and the step takes whichever is slower: eager launches are
+# hidden only when the host keeps ahead. Qwen3-30B-A3B launches ~880 kernels per forward
+# (48 layers, routing and grouped GEMMs), ~45 ms of host time against 31-45 ms of kernels at
+# 1.5-2.3k tokens. Eager, those prompts took 46-98 ms, varying between runs and server starts
+# with the host's speed (benchmarks/results/engine-h200-prefillprobe-qwen3-30b-a3b-2026-11-30.md);
+# the 1,024-token graph took 26 ms. The wider buckets past 1024 (12-25% apart) cost at most that
+# much padding. From 4,096 tokens cuDNN's attention (eager) is the faster path.
 PREFILL_SPLIT_CONTEXT = 32768
-PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+                   1280, 1536, 1792, 2048, 2304, 2560, 3072, 3584, 4096)
 
 
 def sampling_rows(seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +135,7 @@ class _GraphFamily:
         log.info("captured %s CUDA graphs for sizes %s in %.1f s", self.name, self.buckets, time.perf_counter() - t0)
 
     def _capture(self, n: int) -> None:
+        self.kv.settle()  # a capture may not wait on a restore's events (recorded outside it)
         self._before_capture(n)  # inputs that write no K/V into anybody's pages
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

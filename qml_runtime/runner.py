@@ -84,9 +84,13 @@ class ModelRunner:
         (its ``last_logits`` hold the step's logits), or None when no graph fits."""
         seqs, counts = batch.seqs, batch.num_tokens
         if self._is_decode(batch) and self._decode_graph_fits(seqs):
+            self.kv.settle()  # a replay waits for restores in flight as a whole
             return self.graphs.run(seqs), self.graphs
         p = self.prefill_graphs
-        if p is not None and len(seqs) == 1 and p.fits(counts[0], len(seqs[0].block_table)):
+        # with pages still arriving from host RAM the prefill runs eagerly: each layer then waits
+        # only for its own pages (KVCache.layer), and computes while the later layers' arrive
+        if p is not None and len(seqs) == 1 and not self.kv.restoring \
+                and p.fits(counts[0], len(seqs[0].block_table)):
             return p.run(seqs[0], counts[0]), p
         return None
 
@@ -121,6 +125,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         seqs = batch.seqs
         assert self._is_decode(batch)
+        self.kv.settle()
         tokens = self.graphs.run(seqs, None if after is None else after.tokens)
         for seq in seqs:
             seq.num_computed += 1
@@ -172,6 +177,7 @@ class ModelRunner:
             return self._per_seq(batch.seqs, sampling, *drawn)
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv, meta)  # [T, D]
+        self.kv.settle()  # what runs next (graphs, spills) comes after every restored layer
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
         sampling = [s for s in batch.seqs if s.num_computed == s.num_tokens]

@@ -34,7 +34,7 @@ log = logging.getLogger("qml.warmup")
 # fresh prompt lengths, capped by what one step may take: multiples of 16 and not, on both sides
 # of the cuDNN threshold (4,096), up to the longest prompt prefilled in one step
 FRESH_SIZES = (1500, 2048, 4100, 8192, 16384, 32768)
-CHUNK = 1999
+CHUNK = 4999  # more than the prefill graphs take (4096), not a multiple of 16: the eager path
 # also timed (not needed for compiling: the prefill graphs cover them): a short prompt's time is
 # mostly fixed costs, which the curve would otherwise extrapolate away
 TIMED_SHORT = (128, 512)

@@ -15,9 +15,35 @@ class KVCache:
         # one allocation for all layers: [L, 2, P, S, Hkv, Dh]
         self.data = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 device=device, dtype=dtype)
+        # per layer, the event after which that layer's pages restored from host RAM have landed
+        # (KVTiers copies on a side stream, layer by layer): a forward that asks for layer i waits
+        # for event i on its own stream, so layer 0 computes while layer 1's pages still arrive
+        self._restoring: list | None = None
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._restoring is not None:
+            self._wait(self._restoring[i])
         return self.data[i, 0], self.data[i, 1]
+
+    @property
+    def restoring(self) -> bool:
+        """Pages are still being restored into the pool (``settle`` before reading it otherwise)."""
+        return self._restoring is not None
+
+    def restore_events(self, events: list) -> None:
+        """Events, one per layer in layer order on one stream, of a restore in flight. A newer restore
+        replaces an older one's events: its layer-i event comes after all of the older copies."""
+        assert len(events) == self.data.shape[0], (len(events), self.data.shape[0])
+        self._restoring = list(events)
+
+    def settle(self) -> None:
+        """Order what the current stream runs next after every restore in flight (no host wait)."""
+        if self._restoring is not None:
+            self._wait(self._restoring[-1])
+            self._restoring = None
+
+    def _wait(self, event) -> None:
+        torch.cuda.current_stream(self.data.device).wait_event(event)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -45,15 +71,25 @@ class KVCache:
         """The inverse of ``read_page``."""
         self.data[:, :, page].copy_(self._page_view(src))
 
+    def chunk_views(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool as ``[C, P, W]`` and host rows ``table`` ([N, block_bytes] uint8, each laid out as
+        ``read_page`` writes it) as ``[N, C, W]``: C = layers x 2 runs of W elements, a page's
+        slots of one layer's K or V, contiguous on both sides (``qml_kernels.page_copy``'s layout)."""
+        L, two, P = self.data.shape[:3]
+        W = self.data[0, 0, 0].numel()
+        return self.data.view(L * two, P, W), table.view(self.data.dtype).view(-1, L * two, W)
+
     def gather_pages(self, pages: torch.Tensor) -> torch.Tensor:
         """Pages ``pages`` [n] (int64, on the cache's device) -> [n, block_bytes] uint8 on the device,
         each row laid out as ``read_page`` writes it (two kernels, whatever n)."""
+        self.settle()
         n = pages.numel()
         rows = self.data.index_select(2, pages).movedim(2, 0).contiguous()  # [n, L, 2, S, Hkv, Dh]
         return rows.view(n, -1).view(torch.uint8)
 
     def scatter_pages(self, pages: torch.Tensor, rows: torch.Tensor) -> None:
         """The inverse of ``gather_pages``: rows [n, block_bytes] uint8 on the device into ``pages``."""
+        self.settle()
         L, two, _, S, Hkv, Dh = self.data.shape
         src = rows.view(self.data.dtype).view(-1, L, two, S, Hkv, Dh).movedim(0, 2)  # [L, 2, n, S, Hkv, Dh]
         self.data.index_copy_(2, pages, src)

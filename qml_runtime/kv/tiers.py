@@ -239,6 +239,10 @@ class KVTiers:
         self.block_bytes = kv.block_bytes
         self._cuda = kv.data.is_cuda
         self._copy_stream = torch.cuda.Stream(kv.data.device) if self._cuda else None
+        # restores from host RAM, layer by layer, beside the compute stream (_upload_layers)
+        self._restore_stream = torch.cuda.Stream(kv.data.device) if self._cuda else None
+        self._restored = None  # the last restore's final event: host slots are read until then
+        self.layered = True  # host-tier restores by layer, read in place (False: through staging)
         self._pending: list[tuple[int, int]] = []  # (page, host slot) spilled, not yet copied down
         # with no host tier: (page, name, tokens) spilled straight to disk, not yet gathered
         self._pending_disk: list[tuple[int, bytes, tuple[int, ...]]] = []
@@ -340,6 +344,8 @@ class KVTiers:
         if not self._cuda:
             return _Nothing()
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.kv.data.device))
+        # a slot a restore still reads must not be overwritten by a spill into it
+        self._copy_stream.wait_stream(self._restore_stream)
         return torch.cuda.stream(self._copy_stream)
 
     def _done(self, staging: torch.Tensor):
@@ -357,6 +363,9 @@ class KVTiers:
         for event in {id(e): e for e in self._slot_events.values()}.values():
             event.synchronize()
         self._slot_events.clear()
+        if self._restored is not None:  # a CPU writer (a disk load) must not overwrite a slot being read
+            self._restored.synchronize()
+            self._restored = None
 
     def _queue_disk_write(self, name: bytes, tokens: tuple[int, ...], data: torch.Tensor,
                           parent: bytes | None, ready) -> None:
@@ -607,21 +616,20 @@ class KVTiers:
         return landed
 
     def _upload(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]]) -> None:
-        """Copy host rows into GPU pages on the compute stream: ``sources`` are (host tensor of rows,
-        destination row, source row, row count); destination row i goes to ``pages[i]``."""
+        """Copy host rows into GPU pages: ``sources`` are (host tensor of rows, destination row, source
+        row, row count); destination row i goes to ``pages[i]``. Rows of the pinned host tier go
+        layer by layer on a side stream (``_upload_layers``); others through a GPU staging buffer
+        on the compute stream."""
         self.flush_spills()  # a page spilled earlier must be copied out before it is overwritten
+        if self.layered and self._cuda and self.host is not None and self.host.slots.is_pinned() \
+                and all(src is self.host.slots for src, _, _, _ in sources):
+            self._upload_layers(pages, sources)
+            return
         dev = self.kv.data.device
         if self._cuda:
             # only the copies filling the slots read here must be complete (the GPU waits, not the
             # host): copies of other slots, down, overlap these, up
-            waits = {}
-            for src, _, s, n in sources:
-                if self.host is not None and src is self.host.slots:
-                    for slot in range(s, s + n):
-                        event = self._slot_events.get(slot)
-                        if event is not None:
-                            waits[id(event)] = event
-            for event in waits.values():
+            for event in self._slot_waits(sources):
                 torch.cuda.current_stream(dev).wait_event(event)
             start = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -641,6 +649,51 @@ class KVTiers:
             self._timing.append((start, end, len(pages) * self.block_bytes))
         else:
             self.planner.observe("host", len(pages) * self.block_bytes, time.perf_counter() - t0)
+
+    def _slot_waits(self, sources) -> list:
+        """The spill copies still filling the host slots that ``sources`` read (once each)."""
+        waits = {}
+        for src, _, s, n in sources:
+            if self.host is not None and src is self.host.slots:
+                for slot in range(s, s + n):
+                    event = self._slot_events.get(slot)
+                    if event is not None:
+                        waits[id(event)] = event
+        return list(waits.values())
+
+    def _upload_layers(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]]) -> None:
+        """Host-tier rows into GPU pages, read in place from pinned memory (``qml_kernels.page_copy``,
+        ~51 GB/s on the H200, as fast as one large pinned copy) one layer per launch on the restore
+        stream, with an event per layer handed to the pool (``KVCache.restore_events``): the
+        prefill that reads them waits layer by layer, so it computes layer i while later layers
+        still arrive, and a 3.5 GB history (~70 ms) hides the turn's own compute behind it."""
+        from qml_kernels.page_copy import page_copy
+
+        dev = self.kv.data.device
+        compute = torch.cuda.current_stream(dev)
+        stream = self._restore_stream
+        stream.wait_stream(compute)  # pages spilled before this were gathered on the compute stream
+        for event in self._slot_waits(sources):
+            stream.wait_event(event)
+        slot_of = [0] * len(pages)
+        for _, d, s, n in sources:
+            slot_of[d:d + n] = range(s, s + n)
+        index = torch.tensor([pages, slot_of], dtype=torch.int64, pin_memory=True)
+        pool, table = self.kv.chunk_views(self.host.slots)
+        events = []
+        with torch.cuda.stream(stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            index = index.to(dev, non_blocking=True)
+            for layer in range(self.kv.data.shape[0]):
+                page_copy(pool, index[0], table, index[1], 2 * layer, 2 * layer + 2)
+                event = torch.cuda.Event(enable_timing=layer == self.kv.data.shape[0] - 1)
+                event.record()
+                events.append(event)
+        index.record_stream(stream)
+        self.kv.restore_events(events)
+        self._restored = events[-1]  # host slots read until then: _settle waits for it
+        self._timing.append((start, events[-1], len(pages) * self.block_bytes))
 
     def _observe_uploads(self) -> None:
         """Fold finished uploads' GPU times into the host rate, without waiting for any."""

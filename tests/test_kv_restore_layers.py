@@ -1,0 +1,140 @@
+"""Restores from host RAM by layer: the pool's per-layer events, the zero-copy layout, and the runner.
+
+On the GPU a restore reads the pinned host rows in place, one layer per launch on a side stream,
+and the prefill waits for layer i's event before reading layer i (qml_runtime.kv.tiers
+``_upload_layers``; measured in benchmarks/kv_upload_h200.py). Here, without a GPU, the events
+are stand-ins and the waits are recorded: what is checked is which wait comes before which read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qml_kernels.page_copy import page_copy_ref
+from qml_runtime.config import CacheConfig, SchedulerConfig
+from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
+from qml_runtime.engine import Engine
+from qml_runtime.kv.cache import KVCache
+from qml_runtime.presets import PRESETS
+from qml_runtime.sampling_params import SamplingParams
+from qml_runtime.scheduler import ScheduledBatch
+
+
+def _recording(kv: KVCache) -> list:
+    waits = []
+    kv._wait = waits.append
+    return waits
+
+
+def test_a_layer_waits_for_its_own_restore_event_and_settle_waits_for_the_last():
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, 6, 4, "cpu", torch.float32)
+    waits = _recording(kv)
+    events = [f"layer{i}" for i in range(cfg.num_layers)]
+    assert not kv.restoring
+    kv.layer(0)
+    assert waits == []  # nothing in flight: no wait
+    kv.restore_events(events)
+    assert kv.restoring
+    kv.layer(1)
+    kv.layer(0)
+    assert waits == ["layer1", "layer0"]
+    kv.settle()
+    assert waits[-1] == events[-1] and not kv.restoring
+    kv.settle()
+    assert len(waits) == 3  # settled: no second wait
+    with pytest.raises(AssertionError):
+        kv.restore_events(events[:-1])  # one event per layer
+
+
+@pytest.mark.parametrize("op", ["gather", "scatter"])
+def test_whole_pool_copies_come_after_restores_in_flight(op):
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, 6, 4, "cpu", torch.float32)
+    waits = _recording(kv)
+    kv.restore_events([f"layer{i}" for i in range(cfg.num_layers)])
+    pages = torch.tensor([1, 4])
+    if op == "gather":
+        kv.gather_pages(pages)
+    else:
+        kv.scatter_pages(pages, torch.zeros(2, kv.block_bytes, dtype=torch.uint8))
+    assert waits == [f"layer{cfg.num_layers - 1}"] and not kv.restoring
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_chunk_views_put_host_rows_where_scatter_pages_does(dtype):
+    """The zero-copy restore's layout: page_copy over ``chunk_views`` writes each host row into the
+    same pool elements as the staging path's ``scatter_pages``, and touches no other page."""
+    cfg = PRESETS["tiny-llama"].config
+    a = KVCache(cfg, 9, 4, "cpu", dtype)
+    a.data.normal_()
+    b = KVCache(cfg, 9, 4, "cpu", dtype)
+    b.data.copy_(a.data)
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(7, a.block_bytes // a.data.element_size(), generator=gen).to(dtype).view(torch.uint8)
+    pages, slots = torch.tensor([8, 0, 5, 3]), torch.tensor([6, 2, 0, 4])
+    a.scatter_pages(pages, table[slots])
+    pool, rows = b.chunk_views(table)
+    page_copy_ref(pool, pages, rows, slots)
+    assert torch.equal(a.data, b.data)
+    # a range of chunks (one layer's K and V) writes only that layer
+    c = KVCache(cfg, 9, 4, "cpu", dtype)
+    pool, rows = c.chunk_views(table)
+    page_copy_ref(pool, pages, rows, slots, 2, 4)
+    assert torch.equal(c.data[1][:, pages], a.data[1][:, pages])
+    assert not c.data[0].any() and not c.data[2:].any()
+
+
+@pytest.fixture()
+def graphed(engine):
+    eng = Engine(engine.model, engine.tokenizer, engine.model_config, model_id="t", device=engine.device,
+                 dtype=engine.dtype, cache=CacheConfig(block_size=16, num_blocks=64), scheduler=SchedulerConfig())
+    eng.runner.graphs = DecodeGraphs(engine.model, eng.kv, engine.device, 4, eng.context_length, capture=False)
+    eng.runner.prefill_graphs = PrefillGraphs(engine.model, eng.kv, engine.device, eng.context_length,
+                                              capture=False, buckets=(16, 64))
+    return eng
+
+
+def _sequence(eng: Engine, n: int):
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    seq = eng._new_sequence(list(range(300, 300 + n)), params, f"r{n}")
+    eng.blocks.grow(seq.block_table, n)
+    return seq
+
+
+def test_a_prefill_with_pages_arriving_runs_eagerly_and_waits_layer_by_layer(graphed):
+    eng = graphed
+    L = eng.model_config.num_layers
+    waits = _recording(eng.kv)
+    used = []
+    run = eng.runner.prefill_graphs.run
+    eng.runner.prefill_graphs.run = lambda seq, n: used.append(n) or run(seq, n)
+    with torch.inference_mode():
+        plain = eng.runner.step(ScheduledBatch([_sequence(eng, 40)], [40]))[0]
+        assert used == [40] and waits == []  # nothing restoring: the padded (graph) path
+        eng.kv.restore_events([f"layer{i}" for i in range(L)])
+        restoring = eng.runner.step(ScheduledBatch([_sequence(eng, 40)], [40]))[0]
+    assert used == [40], "a prefill ran through a graph while pages were still arriving"
+    # each layer waited for its own event, in order, and the step settled the restore after the forward
+    assert waits == [f"layer{i}" for i in range(L)] + [f"layer{L - 1}"]
+    assert not eng.kv.restoring
+    assert restoring == plain  # the same prompt: the eager path gives the same token
+
+
+def test_a_decode_graph_replay_waits_for_the_whole_restore_first(graphed):
+    eng = graphed
+    L = eng.model_config.num_layers
+    waits = _recording(eng.kv)
+    seq = _sequence(eng, 20)
+    with torch.inference_mode():
+        eng.runner.step(ScheduledBatch([seq], [20]))
+        seq.token_ids.append(301)
+        eng.blocks.grow(seq.block_table, seq.num_tokens)
+        eng.kv.restore_events([f"layer{i}" for i in range(L)])
+        replayed = []
+        run = eng.runner.graphs.run
+        eng.runner.graphs.run = lambda seqs, prev=None: (replayed.append(list(waits)), run(seqs, prev))[1]
+        eng.runner.step(ScheduledBatch([seq], [1]))
+    assert replayed == [[f"layer{L - 1}"]], "the replay did not wait for the restore's last layer first"
+    assert not eng.kv.restoring
