@@ -79,7 +79,9 @@ def page_copy_ref(dst: torch.Tensor, pages: torch.Tensor, src: torch.Tensor, slo
     return dst
 
 
-@triton.jit
+# the counts and the chunk range change with every restore: specialising on them (divisibility by
+# 16, == 1) would compile a variant for a request to wait on
+@triton.jit(do_not_specialize=["n_items", "chunk_lo", "n_chunks"])
 def _page_copy_kernel(dst_ptr, src_ptr, pages_ptr, slots_ptr, n_items, chunk_lo, n_chunks,
                       stride_dst_chunk, stride_dst_page, stride_src_row, stride_src_chunk,
                       W: tl.constexpr, BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr):

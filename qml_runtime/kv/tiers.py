@@ -243,6 +243,8 @@ class KVTiers:
         self._restore_stream = torch.cuda.Stream(kv.data.device) if self._cuda else None
         self._restored = None  # the last restore's final event: host slots are read until then
         self.layered = True  # host-tier restores by layer, read in place (False: through staging)
+        if self._cuda and host is not None and host.capacity > 0 and host.slots.is_pinned():
+            self._compile_page_copy()
         self._pending: list[tuple[int, int]] = []  # (page, host slot) spilled, not yet copied down
         # with no host tier: (page, name, tokens) spilled straight to disk, not yet gathered
         self._pending_disk: list[tuple[int, bytes, tuple[int, ...]]] = []
@@ -661,6 +663,17 @@ class KVTiers:
                         waits[id(event)] = event
         return list(waits.values())
 
+    def _compile_page_copy(self) -> None:
+        """One copy of a page at start (the pool holds nothing yet): the kernel is compiled before a
+        request's restore would wait for it."""
+        from qml_kernels.page_copy import page_copy
+
+        self.host.slots[0].zero_()  # page 0 keeps the zeros it was made with
+        pool, table = self.kv.chunk_views(self.host.slots)
+        zero = torch.zeros(1, dtype=torch.int64, device=self.kv.data.device)
+        page_copy(pool, zero, table, zero, 0, 2)
+        torch.cuda.synchronize(self.kv.data.device)
+
     def _upload_layers(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]]) -> None:
         """Host-tier rows into GPU pages, read in place from pinned memory (``qml_kernels.page_copy``,
         ~51 GB/s on the H200, as fast as one large pinned copy) one layer per launch on the restore
@@ -700,7 +713,10 @@ class KVTiers:
         still = []
         for start, end, nbytes in self._timing:
             if end.query():
-                self.planner.observe("host", nbytes, start.elapsed_time(end) / 1e3)
+                seconds = start.elapsed_time(end) / 1e3
+                log.debug("host upload: %.1f MB in %.2f ms (%.1f GB/s)", nbytes / 1e6, seconds * 1e3,
+                          nbytes / max(seconds, 1e-9) / 1e9)
+                self.planner.observe("host", nbytes, seconds)
             else:
                 still.append((start, end, nbytes))
         self._timing = still
