@@ -256,9 +256,12 @@ def restore_section(results: dict, preset: str = "llama-3.1-8b", device: str = "
     finally:
         engine.shutdown()
     results["restore"] = rows
-    a, b = rows[0], rows[1]
-    assert a["restored_pages"] > 100 and b["restored_pages"] > 100, "the history did not come back from host RAM"
-    assert a["resumed"] == b["resumed"], "layered and staged restores gave different tokens"
+    assert all(r["restored_pages"] > 100 for r in rows), "the history did not come back from host RAM"
+    # the first turn restores fewer blocks (the turn's own were not cached yet), so the same amount
+    # restored is compared: staged (second) against layered (third), bit for bit the same pages
+    staged, layered = rows[1], rows[2]
+    assert staged["cached_tokens"] == layered["cached_tokens"]
+    assert staged["resumed"] == layered["resumed"], "layered and staged restores gave different tokens"
 
 
 def main() -> int:

@@ -79,14 +79,14 @@ def page_copy_ref(dst: torch.Tensor, pages: torch.Tensor, src: torch.Tensor, slo
     return dst
 
 
-# the counts and the chunk range change with every restore: specialising on them (divisibility by
-# 16, == 1) would compile a variant for a request to wait on
-@triton.jit(do_not_specialize=["n_items", "chunk_lo", "n_chunks"])
-def _page_copy_kernel(dst_ptr, src_ptr, pages_ptr, slots_ptr, n_items, chunk_lo, n_chunks,
+# the counts, the chunk range and the grid change with every restore: specialising on them
+# (divisibility by 16, == 1, constexpr) would compile a variant for a request to wait on
+@triton.jit(do_not_specialize=["n_items", "chunk_lo", "n_chunks", "num_programs"])
+def _page_copy_kernel(dst_ptr, src_ptr, pages_ptr, slots_ptr, n_items, chunk_lo, n_chunks, num_programs,
                       stride_dst_chunk, stride_dst_page, stride_src_row, stride_src_chunk,
-                      W: tl.constexpr, BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+                      W: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    for item in range(tl.program_id(0), n_items, NUM_PROGRAMS):
+    for item in range(tl.program_id(0), n_items, num_programs):
         i = item // n_chunks
         c = (chunk_lo + item % n_chunks).to(tl.int64)
         # int64: a pool of several GB passes 2^31 elements
@@ -114,9 +114,9 @@ def page_copy_triton(dst: torch.Tensor, pages: torch.Tensor, src: torch.Tensor, 
     W = dst.shape[2]
     programs = min(config.num_programs, n_items)
     _page_copy_kernel[(programs,)](
-        dst, src, pages, slots, n_items, chunk_lo, n_chunks,
+        dst, src, pages, slots, n_items, chunk_lo, n_chunks, programs,
         dst.stride(0), dst.stride(1), src.stride(0), src.stride(1),
-        W=W, BLOCK=config.block(W), NUM_PROGRAMS=programs, num_warps=config.num_warps)
+        W=W, BLOCK=config.block(W), num_warps=config.num_warps)
     return dst
 
 

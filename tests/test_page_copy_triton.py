@@ -83,10 +83,10 @@ def test_dispatch_takes_the_kernel_only_for_a_table_the_device_can_read():
 
 def _variant(width: int, config: PageCopyConfig, dtype: str = "*bf16") -> dict:
     signature = {"dst_ptr": dtype, "src_ptr": dtype, "pages_ptr": "*i64", "slots_ptr": "*i64", "n_items": "i32",
-                 "chunk_lo": "i32", "n_chunks": "i32", "stride_dst_chunk": "i64", "stride_dst_page": "i32",
-                 "stride_src_row": "i32", "stride_src_chunk": "i32",
-                 "W": "constexpr", "BLOCK": "constexpr", "NUM_PROGRAMS": "constexpr"}
-    constexprs = {"W": width, "BLOCK": config.block(width), "NUM_PROGRAMS": config.num_programs}
+                 "chunk_lo": "i32", "n_chunks": "i32", "num_programs": "i32", "stride_dst_chunk": "i64",
+                 "stride_dst_page": "i32", "stride_src_row": "i32", "stride_src_chunk": "i32",
+                 "W": "constexpr", "BLOCK": "constexpr"}
+    constexprs = {"W": width, "BLOCK": config.block(width)}
     return {"kernel": _page_copy_kernel, "signature": signature, "constexprs": constexprs,
             "num_warps": config.num_warps, "num_stages": 1,
             "divisible": ("stride_dst_chunk", "stride_dst_page", "stride_src_row", "stride_src_chunk")}

@@ -295,9 +295,21 @@ class KVTiers:
         while self._pending_disk:
             batch, self._pending_disk = self._pending_disk[:MAX_BATCH_PAGES], self._pending_disk[MAX_BATCH_PAGES:]
             self._write_through([p for p, _, _ in batch], [(name, tokens, None) for _, name, tokens in batch])
+        self._copy_down(self._gather_spills())
+
+    def _gather_spills(self) -> list:
+        """The pages spilled since the last flush, gathered on the compute stream (the next step may
+        then overwrite them): [(staging, [(page, slot)])], for ``_copy_down``."""
+        gathered = []
         while self._pending:
             batch, self._pending = self._pending[:MAX_BATCH_PAGES], self._pending[MAX_BATCH_PAGES:]
-            staging = self._gather([p for p, _ in batch])
+            gathered.append((self._gather([p for p, _ in batch]), batch))
+        return gathered
+
+    def _copy_down(self, gathered: list) -> None:
+        """Gathered spills to their host slots on the side stream, after the compute stream's work
+        and any restore in flight (``_side``)."""
+        for staging, batch in gathered:
             runs = _runs([s for _, s in batch])
             with self._side():
                 for i, s, n in runs:
@@ -622,11 +634,16 @@ class KVTiers:
         row, row count); destination row i goes to ``pages[i]``. Rows of the pinned host tier go
         layer by layer on a side stream (``_upload_layers``); others through a GPU staging buffer
         on the compute stream."""
-        self.flush_spills()  # a page spilled earlier must be copied out before it is overwritten
         if self.layered and self._cuda and self.host is not None and self.host.slots.is_pinned() \
                 and all(src is self.host.slots for src, _, _, _ in sources):
+            # a page spilled to make room is gathered before the restore overwrites it, but copied down
+            # after it: both ways at once, the restore ran at ~half speed (kv_upload_h200: 3.5 GB up
+            # beside 3.5 GB down took 104 ms against 70 alone), and the turn waits only on the restore
+            gathered = self._gather_spills()  # (with a host tier nothing goes to disk directly)
             self._upload_layers(pages, sources)
+            self._copy_down(gathered)
             return
+        self.flush_spills()  # a page spilled earlier must be copied out before it is overwritten
         dev = self.kv.data.device
         if self._cuda:
             # only the copies filling the slots read here must be complete (the GPU waits, not the
