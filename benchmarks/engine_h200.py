@@ -20,6 +20,8 @@ Sections (each runs on its own; a failure is recorded and the next one runs):
 - ``graphprofile``: the engine's served decode (CUDA graphs, as ``engine`` runs it) under the
   profiler, at 1 and ``--concurrency`` sequences: kernel time per step beside the step's wall
   time, so the gap between the kernels (launch latency, idle SMs) shows.
+- ``hostturn``: a 219-token turn over a 27k-token history restored from host RAM: the loop's
+  split and a profile (the sessions bench's host case, without the server).
 - ``prefillprobe``: fresh prefills of 1k-4k tokens timed in two engine starts, three of them
   profiled (GPU kernel time, launches, host syncs): where a mid-size prefill's time goes.
 
@@ -594,6 +596,51 @@ def section_prefillprobe(args, device) -> None:
         free_memory()
 
 
+def section_hostturn(args, device) -> None:
+    """A 219-token turn over a 27k-token history pushed into host RAM (the sessions bench's host
+    case, in-process): the engine loop's split (schedule / step / post) and a profile of the turn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from qml_runtime.loader import load_engine
+
+    # the sessions bench's pools: --kv-cache-gib 10, four times that in host RAM
+    engine = load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
+                         kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
+                         kv_host_gib=4 * args.kv_cache_gib, progress=False)
+    engine.start()
+    V = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(6)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    n_hist = min(27120, engine.context_length // 2)
+    hist = torch.randint(300, V, (n_hist,), generator=gen).tolist()
+    _timed_request(engine, hist, one)
+    pool_tokens = engine.blocks.num_blocks * engine.blocks.block_size
+    turns = []
+    for i in range(3):
+        other = min(20000, n_hist)
+        for _ in range(-(-pool_tokens // other) + 1):  # other prompts push the history into host RAM
+            _timed_request(engine, torch.randint(300, V, (other,), generator=gen).tolist(), one)
+        hist = hist + torch.randint(300, V, (219,), generator=gen).tolist()
+        was, restored = _loop_counters(engine), engine.tiers.stats.restored_host
+        if i == 2 and device.type == "cuda":
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t = _timed_request(engine, hist, one)[0] * 1e3
+            (args.out / "hostturn-profile.txt").write_text(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+            cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            (args.out / "hostturn-profile-cpu.txt").write_text(cpu)
+            print(cpu, flush=True)
+        else:
+            t = _timed_request(engine, hist, one)[0] * 1e3
+        now = _loop_counters(engine)
+        split = {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post", "launch")}
+        turns.append({"ttft_ms": round(t, 2), "restored_pages": engine.tiers.stats.restored_host - restored,
+                      "steps": now["steps"] - was["steps"], "loop_ms": split, "rates": engine.tiers.planner.rates()})
+        print("host turn:", turns[-1], flush=True)
+    record("hostturn", turns=turns)
+    engine.shutdown()
+
+
 def section_graphprofile(args, device) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -664,7 +711,8 @@ def section_overlap(args, device) -> None:
 
 SECTIONS = {"overlap": section_overlap, "graphprofile": section_graphprofile,
             "attention": section_attention, "transformers": section_transformers, "engine": section_engine,
-            "profile": section_profile, "firstcall": section_firstcall, "prefillprobe": section_prefillprobe}
+            "profile": section_profile, "firstcall": section_firstcall, "prefillprobe": section_prefillprobe,
+            "hostturn": section_hostturn}
 
 
 def write(out: Path, stem: str, meta: dict) -> None:

@@ -705,18 +705,21 @@ class KVTiers:
         stream.wait_stream(compute)  # pages spilled before this were gathered on the compute stream
         for event in self._slot_waits(sources):
             stream.wait_event(event)
-        slot_of = [0] * len(pages)
+        # rows padded to an even length: both start 16-byte aligned, as the kernel was compiled for
+        width = len(pages) + len(pages) % 2
+        slot_of = [0] * width
         for _, d, s, n in sources:
             slot_of[d:d + n] = range(s, s + n)
-        index = torch.tensor([pages, slot_of], dtype=torch.int64, pin_memory=True)
+        index = torch.tensor([pages + [0] * (width - len(pages)), slot_of], dtype=torch.int64, pin_memory=True)
         pool, table = self.kv.chunk_views(self.host.slots)
         events = []
         with torch.cuda.stream(stream):
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             index = index.to(dev, non_blocking=True)
+            pages_d, slots_d = index[0, :len(pages)], index[1, :len(pages)]
             for layer in range(self.kv.data.shape[0]):
-                page_copy(pool, index[0], table, index[1], 2 * layer, 2 * layer + 2)
+                page_copy(pool, pages_d, table, slots_d, 2 * layer, 2 * layer + 2)
                 event = torch.cuda.Event(enable_timing=layer == self.kv.data.shape[0] - 1)
                 event.record()
                 events.append(event)
