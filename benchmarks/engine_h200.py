@@ -603,10 +603,10 @@ def section_hostturn(args, device) -> None:
 
     from qml_runtime.loader import load_engine
 
-    # the sessions bench's pools: --kv-cache-gib 10, four times that in host RAM
+    # the sessions bench's GPU pool (--kv-cache-gib 10), more host RAM: the turns here must not fill it
     engine = load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
                          kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
-                         kv_host_gib=4 * args.kv_cache_gib, progress=False)
+                         kv_host_gib=5 * args.kv_cache_gib, progress=False)
     engine.start()
     V = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(6)

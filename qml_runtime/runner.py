@@ -155,6 +155,12 @@ class ModelRunner:
     def step(self, batch: ScheduledBatch) -> tuple[list[int | None], Logprobs]:
         """Run the batch; returns, per sequence, the sampled token or None (prefill chunk not last),
         and the tokens' logprobs for the sequences that asked (None when none did)."""
+        try:
+            return self._step(batch)
+        finally:
+            self.kv.settle()  # a failed step too: nothing after it may overtake a restore it was to read
+
+    def _step(self, batch: ScheduledBatch) -> tuple[list[int | None], Logprobs]:
         t0 = time.perf_counter()
         special = any(s.custom_sampling for s in batch.seqs)
         ran = self._graph_tokens(batch)
@@ -177,7 +183,7 @@ class ModelRunner:
             return self._per_seq(batch.seqs, sampling, *drawn)
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv, meta)  # [T, D]
-        self.kv.settle()  # what runs next (graphs, spills) comes after every restored layer
+        self.kv.settle()  # what runs next (sampling, graphs, spills) comes after every restored layer
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
         sampling = [s for s in batch.seqs if s.num_computed == s.num_tokens]

@@ -138,3 +138,26 @@ def test_a_decode_graph_replay_waits_for_the_whole_restore_first(graphed):
         eng.runner.step(ScheduledBatch([seq], [1]))
     assert replayed == [[f"layer{L - 1}"]], "the replay did not wait for the restore's last layer first"
     assert not eng.kv.restoring
+
+
+def test_spilling_evicted_pages_does_not_wait_for_a_restore_in_flight():
+    """The turn that restores its history evicts pages for its new tokens after the restore is queued:
+    copying those out must not make the compute stream wait for the whole restore (the prefill would
+    then run after it instead of beside it), while copying out a finished request's pages does."""
+    from qml_runtime.kv.host_tier import HostTier
+    from qml_runtime.kv.tiers import KVTiers
+
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, 8, 4, "cpu", torch.float32)
+    kv.data.normal_()
+    waits = _recording(kv)
+    tiers = KVTiers(kv, HostTier(kv.block_bytes, 4 * kv.block_bytes, pin=False), None)
+    events = [f"layer{i}" for i in range(cfg.num_layers)]
+    kv.restore_events(events)
+    tiers.spill(5, b"name-5", (1, 2, 3, 4))
+    tiers.flush_spills()
+    assert kv.restoring and waits == []
+    slot = tiers.host.find(b"name-5", (1, 2, 3, 4))
+    assert torch.equal(tiers.host.slots[slot], kv.gather_pages(torch.tensor([5]), settle=False)[0])
+    tiers._gather([3])  # a finished request's pages (write-through): after the restore
+    assert waits == [events[-1]] and not kv.restoring

@@ -79,10 +79,13 @@ class KVCache:
         W = self.data[0, 0, 0].numel()
         return self.data.view(L * two, P, W), table.view(self.data.dtype).view(-1, L * two, W)
 
-    def gather_pages(self, pages: torch.Tensor) -> torch.Tensor:
+    def gather_pages(self, pages: torch.Tensor, settle: bool = True) -> torch.Tensor:
         """Pages ``pages`` [n] (int64, on the cache's device) -> [n, block_bytes] uint8 on the device,
-        each row laid out as ``read_page`` writes it (two kernels, whatever n)."""
-        self.settle()
+        each row laid out as ``read_page`` writes it (two kernels, whatever n). ``settle=False``: the
+        caller knows no restore in flight writes these pages (evicted pages: a page being restored
+        belongs to a sequence until that sequence's step, which settles, has run)."""
+        if settle:
+            self.settle()
         n = pages.numel()
         rows = self.data.index_select(2, pages).movedim(2, 0).contiguous()  # [n, L, 2, S, Hkv, Dh]
         return rows.view(n, -1).view(torch.uint8)

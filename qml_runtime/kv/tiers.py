@@ -303,7 +303,10 @@ class KVTiers:
         gathered = []
         while self._pending:
             batch, self._pending = self._pending[:MAX_BATCH_PAGES], self._pending[MAX_BATCH_PAGES:]
-            gathered.append((self._gather([p for p, _ in batch]), batch))
+            # evicted pages: not the pages of a restore in flight, so no wait for it (the turn that
+            # restores its history evicts pages for its own new tokens after the restore is queued,
+            # and waiting here would serialise that restore with the turn's prefill)
+            gathered.append((self._gather([p for p, _ in batch], settle=False), batch))
         return gathered
 
     def _copy_down(self, gathered: list) -> None:
@@ -348,10 +351,10 @@ class KVTiers:
         self._pending_write_bytes += staging.numel()
         self._writes.put(("pages", staging, ready, blocks))
 
-    def _gather(self, pages: list[int]) -> torch.Tensor:
+    def _gather(self, pages: list[int], settle: bool = True) -> torch.Tensor:
         self._observe_uploads()
-        return self.kv.gather_pages(torch.tensor(pages, dtype=torch.int64).to(self.kv.data.device,
-                                                                              non_blocking=True))
+        index = torch.tensor(pages, dtype=torch.int64).to(self.kv.data.device, non_blocking=True)
+        return self.kv.gather_pages(index, settle=settle)
 
     def _side(self):
         """A context on the copy stream, after the work queued so far on the compute stream."""
