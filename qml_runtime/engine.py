@@ -161,7 +161,7 @@ class Engine:
         if self.tiers is not None:
             t = self.tiers.stats
             restores = {"kv_restored_blocks": {"host": t.restored_host, "disk": t.restored_disk},
-                        "kv_spilled_blocks": {"host": t.spilled_host, "disk": t.written_disk},
+                        "kv_spilled_blocks": {"host": t.spilled_host + t.kept_host, "disk": t.written_disk},
                         "kv_recomputed_blocks": t.skipped_disk, "kv_restore_seconds": t.restore_seconds,
                         "kv_restore_plans": dict(t.plans)}
         return {
