@@ -634,7 +634,9 @@ def section_hostturn(args, device) -> None:
             t = _timed_request(engine, hist, one)[0] * 1e3
         now = _loop_counters(engine)
         split = {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post", "launch")}
-        turns.append({"ttft_ms": round(t, 2), "restored_pages": engine.tiers.stats.restored_host - restored,
+        st = engine.tiers.stats
+        turns.append({"ttft_ms": round(t, 2), "restored_pages": st.restored_host - restored,
+                      "spilled_host": st.spilled_host, "kept_host": st.kept_host,
                       "steps": now["steps"] - was["steps"], "loop_ms": split, "rates": engine.tiers.planner.rates()})
         print("host turn:", turns[-1], flush=True)
     record("hostturn", turns=turns)
