@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from qml_runtime.config import CacheConfig, SchedulerConfig
 from qml_runtime.engine import Engine
@@ -232,3 +233,72 @@ def test_a_restart_on_a_store_with_no_measured_disk_rate_probes_the_disk(engine,
         assert len(restarted.tiers.disk) == len(first.tiers.disk)  # the probe read; it removed nothing
     finally:
         restarted.shutdown()
+
+
+def test_a_finished_requests_pages_reach_host_ram_at_once_and_their_eviction_copies_nothing(engine, expected):
+    eng = sibling(engine, num_blocks=10, host_bytes=64 * 2**20)
+    try:
+        ids2, cacheable = turns(eng)
+        # the copy follows the last token to the client: a request after it runs once it is queued
+        eng.generate_sync(eng.tokenizer.encode("Hi"), SamplingParams(max_tokens=1, temperature=0))
+        kept = eng.tiers.stats.kept_host
+        assert kept >= cacheable // 16, "the first turn's named pages were not copied to host RAM when it ended"
+        # every named GPU page is in host RAM with the same bytes
+        for page in range(eng.blocks.num_blocks):
+            named = eng.blocks.named(page)
+            if named is not None:
+                slot = eng.tiers.host.find(*named)
+                assert slot is not None
+                assert torch.equal(eng.tiers.host.slots[slot], eng.kv.gather_pages(torch.tensor([page]))[0])
+        spilled = eng.tiers.stats.spilled_host
+        eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": "Describe the sea."}]),
+                          GREEDY)  # evicts the first turn's pages: already in host RAM
+        assert eng.tiers.stats.spilled_host - spilled <= 1  # at most a page not named when the turn ended
+        out = eng.generate_sync(ids2, GREEDY)
+        assert out.cached_tokens == cacheable and out.token_ids == expected
+    finally:
+        eng.shutdown()
+
+
+def test_a_full_host_tier_waits_only_for_the_slot_it_evicts(engine, tmp_path, monkeypatch):
+    """Each page a full host tier takes evicts one entry (written to disk first): only copies into that
+    slot are waited for. Flushing every pending spill at each eviction once serialised a restore's
+    spills page by page."""
+    from qml_runtime.kv import tiers as tiers_mod
+
+    inside, counts = [False], {"evictions": 0, "flushes": 0}
+    flush, reserve, queue = (tiers_mod.KVTiers.flush_spills, tiers_mod.KVTiers._reserve_host,
+                             tiers_mod.KVTiers._queue_disk_write)
+
+    def counted_flush(self):
+        counts["flushes"] += inside[0]
+        return flush(self)
+
+    def counted_reserve(self, name, tokens):
+        inside[0] = True
+        try:
+            return reserve(self, name, tokens)
+        finally:
+            inside[0] = False
+
+    def counted_queue(self, *args):
+        counts["evictions"] += inside[0]
+        return queue(self, *args)
+
+    monkeypatch.setattr(tiers_mod.KVTiers, "flush_spills", counted_flush)
+    monkeypatch.setattr(tiers_mod.KVTiers, "_reserve_host", counted_reserve)
+    monkeypatch.setattr(tiers_mod.KVTiers, "_queue_disk_write", counted_queue)
+    # no write-through at the end of requests: what host RAM evicts is not on disk yet
+    monkeypatch.setattr(tiers_mod, "MAX_PENDING_WRITE_BYTES", 0)
+    eng = sibling(engine, num_blocks=10, host_bytes=4 * engine.kv.block_bytes, disk_dir=str(tmp_path),
+                  disk_bytes=2**30)
+    try:
+        for q in ("Describe the sea.", "What is a prime number?", "Tell me about Paris.", "Why is grass green?"):
+            eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": q}]), GREEDY)
+        eng.tiers.flush()
+        assert counts["evictions"] >= 4, "the host tier never had to evict to disk"
+        # a flush only where the evicted slot's copy was still pending: a minority of evictions
+        assert counts["flushes"] < counts["evictions"] / 2, counts
+        assert eng.tiers.stats.written_disk > 0  # evicted host entries went to disk
+    finally:
+        eng.shutdown()
