@@ -74,9 +74,20 @@ def _floor_pow2(n: int) -> int:
 
 
 @triton.jit
-def _rotate_rows(src, dst, rows_ok, cos_row, sin_row,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Rotates the first 2 * HALF dims of the rows src [BLOCK_H, 1] into dst, computing in fp32."""
+def _inv_rms(src, rows_ok, eps, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) over each row of src [BLOCK_H, 1] (whole heads), fp32 -> [BLOCK_H, 1]."""
+    d = tl.arange(0, BLOCK_D)[None, :]
+    x = tl.load(src + d, mask=rows_ok & (d < HEAD_DIM), other=0.0).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=1)[:, None] / HEAD_DIM + eps)
+
+
+@triton.jit
+def _rotate_rows(src, dst, rows_ok, cos_row, sin_row, inv_rms, w_ptr,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 HAS_NORM: tl.constexpr):
+    """Rotates the first 2 * HALF dims of the rows src [BLOCK_H, 1] into dst, computing in fp32.
+    HAS_NORM: each element is first scaled by its row's ``inv_rms`` [BLOCK_H, 1] and its dim's
+    weight (``w_ptr``, [Dh]): the RMSNorm that Qwen3 applies to each q and k head before RoPE."""
     i = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF] pair index
     # cos/sin are loaded as a full tile in the rows' own layout (the repeats hit L1): a 1-D load
     # as wide as the program's threads is reshuffled through shared memory behind barriers
@@ -88,6 +99,8 @@ def _rotate_rows(src, dst, rows_ok, cos_row, sin_row,
         d = tl.arange(0, 2 * BLOCK_HALF)[None, :]  # [1, 2 * BLOCK_HALF]
         mask = rows_ok & (d < 2 * HALF)
         x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, 2 * BLOCK_HALF]
+        if HAS_NORM:
+            x = x * inv_rms * tl.load(w_ptr + d, mask=d < 2 * HALF, other=0.0).to(tl.float32)
         a, b = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_HALF, 2)))  # [BLOCK_H, BLOCK_HALF] each
         y = tl.reshape(tl.join(a * c - b * s, b * c + a * s), (BLOCK_H, 2 * BLOCK_HALF))
         tl.store(dst + d, y.to(dst.dtype.element_ty), mask=mask)
@@ -95,28 +108,36 @@ def _rotate_rows(src, dst, rows_ok, cos_row, sin_row,
         mask = rows_ok & (i < HALF)  # [BLOCK_H, BLOCK_HALF]
         a = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(src + HALF + i, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            a = a * inv_rms * tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
+            b = b * inv_rms * tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
         tl.store(dst + i, (a * c - b * s).to(dst.dtype.element_ty), mask=mask)
         tl.store(dst + HALF + i, (b * c + a * s).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _copy_dims(src, dst, rows_ok, START: tl.constexpr, STOP: tl.constexpr, BLOCK: tl.constexpr):
-    """Copies dims [START, STOP) of the rows src [BLOCK_H, 1] to dst, converting the dtype."""
+def _copy_dims(src, dst, rows_ok, inv_rms, w_ptr, START: tl.constexpr, STOP: tl.constexpr, BLOCK: tl.constexpr,
+               HAS_NORM: tl.constexpr):
+    """Copies dims [START, STOP) of the rows src [BLOCK_H, 1] to dst, converting the dtype (and
+    scaling as ``_rotate_rows`` does with HAS_NORM)."""
     d = START + tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
     mask = rows_ok & (d < STOP)
-    tl.store(dst + d, tl.load(src + d, mask=mask).to(dst.dtype.element_ty), mask=mask)
+    x = tl.load(src + d, mask=mask)
+    if HAS_NORM:
+        x = x.to(tl.float32) * inv_rms * tl.load(w_ptr + d, mask=d < STOP, other=0.0).to(tl.float32)
+    tl.store(dst + d, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rope_kv_write_kernel(
-    q_ptr, k_ptr, v_ptr, q_out_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, q_out_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, eps,
     H, HKV, PAGE_SIZE,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_qo_t, stride_qo_h,
     stride_cos_t, stride_sin_t,
     stride_kc_p, stride_kc_s, stride_kc_h, stride_vc_p, stride_vc_s, stride_vc_h,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
-    INTERLEAVED: tl.constexpr, Q_COPY_PASS: tl.constexpr, HAS_PASS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, Q_COPY_PASS: tl.constexpr, HAS_PASS: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     # grid: (tokens, q head blocks then kv head blocks); tokens on axis 0, the only one not
     # capped at 65535 programs
@@ -129,9 +150,13 @@ def _rope_kv_write_kernel(
         rows_ok = heads[:, None] < H  # [BLOCK_H, 1]
         src = q_ptr + t * stride_q_t + heads[:, None] * stride_q_h  # [BLOCK_H, 1]
         dst = q_out_ptr + t * stride_qo_t + heads[:, None] * stride_qo_h
-        _rotate_rows(src, dst, rows_ok, cos_row, sin_row, HALF, BLOCK_H, BLOCK_HALF, INTERLEAVED)
+        inv = 1.0
+        if HAS_NORM:
+            inv = _inv_rms(src, rows_ok, eps, HEAD_DIM, BLOCK_D)
+        _rotate_rows(src, dst, rows_ok, cos_row, sin_row, inv, qn_ptr, HALF, BLOCK_H, BLOCK_HALF, INTERLEAVED,
+                     HAS_NORM)
         if Q_COPY_PASS:
-            _copy_dims(src, dst, rows_ok, 2 * HALF, HEAD_DIM, BLOCK_PASS)
+            _copy_dims(src, dst, rows_ok, inv, qn_ptr, 2 * HALF, HEAD_DIM, BLOCK_PASS, HAS_NORM)
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
@@ -140,12 +165,16 @@ def _rope_kv_write_kernel(
             rows_ok = heads[:, None] < HKV  # [BLOCK_HKV, 1]
             k_src = k_ptr + t * stride_k_t + heads[:, None] * stride_k_h  # [BLOCK_HKV, 1]
             k_dst = k_cache_ptr + page * stride_kc_p + offset * stride_kc_s + heads[:, None] * stride_kc_h
-            _rotate_rows(k_src, k_dst, rows_ok, cos_row, sin_row, HALF, BLOCK_HKV, BLOCK_HALF, INTERLEAVED)
+            inv = 1.0
+            if HAS_NORM:
+                inv = _inv_rms(k_src, rows_ok, eps, HEAD_DIM, BLOCK_D)
+            _rotate_rows(k_src, k_dst, rows_ok, cos_row, sin_row, inv, kn_ptr, HALF, BLOCK_HKV, BLOCK_HALF,
+                         INTERLEAVED, HAS_NORM)
             if HAS_PASS:
-                _copy_dims(k_src, k_dst, rows_ok, 2 * HALF, HEAD_DIM, BLOCK_PASS)
+                _copy_dims(k_src, k_dst, rows_ok, inv, kn_ptr, 2 * HALF, HEAD_DIM, BLOCK_PASS, HAS_NORM)
             v_src = v_ptr + t * stride_v_t + heads[:, None] * stride_v_h
             v_dst = v_cache_ptr + page * stride_vc_p + offset * stride_vc_s + heads[:, None] * stride_vc_h
-            _copy_dims(v_src, v_dst, rows_ok, 0, HEAD_DIM, BLOCK_D)
+            _copy_dims(v_src, v_dst, rows_ok, 1.0, kn_ptr, 0, HEAD_DIM, BLOCK_D, False)
 
 
 def _check_heads(name: str, t: torch.Tensor, T: int, Dh: int) -> None:
@@ -159,21 +188,22 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _constexprs(H: int, Hkv: int, Dh: int, half: int, interleaved: bool, in_place: bool,
-                config: RopeKVWriteConfig) -> tuple[dict, int]:
+                config: RopeKVWriteConfig, norm: bool = False) -> tuple[dict, int]:
     """(the kernel's compile-time parameters, num_warps) for heads of width Dh with R/2 = half pairs."""
     block_half = triton.next_power_of_2(half)
     block_h, block_hkv, num_warps = config.resolve(H, Hkv, block_half)
     pass_dims = Dh - 2 * half
     return {"HEAD_DIM": Dh, "HALF": half, "BLOCK_H": block_h, "BLOCK_HKV": block_hkv, "BLOCK_HALF": block_half,
             "BLOCK_PASS": triton.next_power_of_2(max(pass_dims, 1)), "BLOCK_D": triton.next_power_of_2(Dh),
-            "INTERLEAVED": bool(interleaved), "Q_COPY_PASS": pass_dims > 0 and not in_place,
-            "HAS_PASS": pass_dims > 0}, num_warps
+            "INTERLEAVED": bool(interleaved), "Q_COPY_PASS": pass_dims > 0 and (norm or not in_place),
+            "HAS_PASS": pass_dims > 0, "HAS_NORM": bool(norm)}, num_warps
 
 
 def rope_kv_write_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                          interleaved: bool = False, *, out: torch.Tensor | None = None,
-                         config: RopeKVWriteConfig = RopeKVWriteConfig()):
+                         q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                         norm_eps: float = 1e-6, config: RopeKVWriteConfig = RopeKVWriteConfig()):
     """See ``rope_kv_write``. Slots must be distinct and below P * S: checking would synchronise."""
     T, H, Dh = q.shape if q.dim() == 3 else (0, 0, 0)
     _check_heads("q", q, T, Dh)
@@ -205,14 +235,16 @@ def rope_kv_write_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     assert out.stride(-1) == 1, f"out: the last dimension must be contiguous, strides {out.stride()}"
     devices = {t.device for t in (q, k, v, cos, sin, k_cache, v_cache, slot_mapping, out)}
     assert len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}"
+    norm = _check_norms(q_norm, k_norm, Dh, q.device)
     if T == 0:
         return out, k_cache, v_cache
 
-    # in place, q's pass-through dimensions are already where they belong
-    constexprs, num_warps = _constexprs(H, Hkv, Dh, half, interleaved, _same_view(out, q), config)
+    # in place, q's pass-through dimensions are already where they belong (unless normalised)
+    constexprs, num_warps = _constexprs(H, Hkv, Dh, half, interleaved, _same_view(out, q), config, norm)
     grid = (T, triton.cdiv(H, constexprs["BLOCK_H"]) + triton.cdiv(Hkv, constexprs["BLOCK_HKV"]))
     _rope_kv_write_kernel[grid](
         q, k, v, out, cos, sin, k_cache, v_cache, slot_mapping,
+        q_norm if norm else cos, k_norm if norm else cos, float(norm_eps),  # (unread without norms)
         H, Hkv, k_cache.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), sin.stride(0),
@@ -223,11 +255,33 @@ def rope_kv_write_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     return out, k_cache, v_cache
 
 
+def _check_norms(q_norm, k_norm, Dh: int, device) -> bool:
+    """Whether per-head q/k norms are given (both or neither, [Dh] each, on q's device)."""
+    assert (q_norm is None) == (k_norm is None), "q_norm and k_norm go together"
+    if q_norm is None:
+        return False
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        assert w.shape == (Dh,) and w.is_contiguous() and w.device == device, \
+            f"{name} must be a contiguous [{Dh}] on {device}, got {tuple(w.shape)} on {w.device}"
+    return True
+
+
 def rope_kv_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      interleaved: bool = False, *, out: torch.Tensor | None = None):
-    """``rope`` then ``kv_write``, by their references: see ``rope_kv_write``."""
-    q_rot, k_rot = rope_ref(q, k, cos, sin, interleaved)
+                      interleaved: bool = False, *, out: torch.Tensor | None = None,
+                      q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                      norm_eps: float = 1e-6):
+    """(``rmsnorm`` per head,) ``rope`` then ``kv_write``, by their references: see ``rope_kv_write``.
+    The norm stays in fp32 into the rotation (one rounding at the end, as the kernel does)."""
+    if _check_norms(q_norm, k_norm, q.shape[-1], q.device):
+        def normed(x, w):
+            xf = x.float()
+            return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + norm_eps) * w.float()
+
+        q_rot, k_rot = rope_ref(normed(q, q_norm), normed(k, k_norm), cos, sin, interleaved)
+        q_rot, k_rot = q_rot.to(q.dtype), k_rot.to(k.dtype)
+    else:
+        q_rot, k_rot = rope_ref(q, k, cos, sin, interleaved)
     kv_write_ref(k_rot, v, k_cache, v_cache, slot_mapping)
     if out is None:
         return q_rot, k_cache, v_cache
@@ -254,14 +308,18 @@ _rope_kv_write = dispatch("rope_kv_write")
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  interleaved: bool = False, *, out: torch.Tensor | None = None):
+                  interleaved: bool = False, *, out: torch.Tensor | None = None,
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6):
     """Rotates q and k by cos/sin and writes k, v into the paged cache -> (q_out, k_cache, v_cache).
 
     q: [T, H, Dh]; k, v: [T, Hkv, Dh]; cos, sin: [T, R/2] fp32; k_cache, v_cache: [P, S, Hkv, Dh];
     slot_mapping: [T] int (page * S + offset, negative: skip the token). q_out is a new tensor,
     or ``out`` ([T, H, Dh] like q): ``out=q`` rotates q in place. k and v are not modified.
+    q_norm, k_norm ([Dh], together): each q and k head is RMS-normalised with these weights
+    (``norm_eps``) before it is rotated, Qwen3's per-head norms folded into the same launch.
     """
-    return _rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, interleaved, out=out)
+    return _rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, interleaved, out=out,
+                          q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps)
 
 
 # -- workbench ------------------------------------------------------------------------------
@@ -303,8 +361,11 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torc
     positions = d.get("start", 0) + torch.arange(T, device=gen.device)
     inv_freq, _ = rope_inv_freq(R, d.get("theta", 10000.0))
     cos, sin = rope_cos_sin(positions, inv_freq.to(gen.device))
-    return {"q": q, "k": k, "v": v, "cos": cos.to(device), "sin": sin.to(device), "k_cache": k_cache,
-            "v_cache": v_cache, "slot_mapping": slots.to(device), "interleaved": d.get("interleaved", False)}
+    inputs = {"q": q, "k": k, "v": v, "cos": cos.to(device), "sin": sin.to(device), "k_cache": k_cache,
+              "v_cache": v_cache, "slot_mapping": slots.to(device), "interleaved": d.get("interleaved", False)}
+    if d.get("norm", False):  # Qwen3's per-head norms folded in: q, k stay views of the fused rows
+        inputs.update(q_norm=randn(Dh), k_norm=randn(Dh), norm_eps=1e-6)
+    return inputs
 
 
 def _bytes(inputs: dict) -> int:
@@ -340,6 +401,11 @@ SMALL_CASES = (
          edge="head_dim 80, R 32, interleaved: non-power-of-2 head and pass-through tail"),
     Case("odd-half", {"T": 2, "H": 2, "Hkv": 2, "Dh": 48, "R": 40, "P": 2, "S": 4, "qk_norm": True},
          edge="R/2 = 20 rotate-half with an 8-dim pass-through; contiguous q/k beside a strided v"),
+    Case("qk-norm", {"T": 3, "H": 4, "Hkv": 2, "Dh": 32, "P": 4, "S": 4, "start": 2, "norm": True},
+         edge="Qwen3's per-head q/k RMSNorm folded in, on views of the fused QKV rows"),
+    Case("qk-norm-partial-interleaved", {"T": 2, "H": 3, "Hkv": 1, "Dh": 48, "R": 32, "P": 2, "S": 4,
+                                         "interleaved": True, "norm": True, "slots": "padded"},
+         edge="the norm with a pass-through tail (normalised too), interleaved pairs, padding rows"),
 )
 
 
@@ -355,6 +421,9 @@ def _model_cases() -> tuple[Case, ...]:
         cases.append(Case(f"qwen3-30b-a3b-T{T}", {"T": T, "H": 32, "Hkv": 4, "Dh": 128, "theta": 1e6,
                                                    "start": start, "qk_norm": True, **pool},
                           edge=f"Qwen3-30B-A3B {what} (q/k contiguous after q_norm/k_norm)"))
+        cases.append(Case(f"qwen3-30b-a3b-T{T}-norm", {"T": T, "H": 32, "Hkv": 4, "Dh": 128, "theta": 1e6,
+                                                        "start": start, "norm": True, **pool},
+                          edge=f"Qwen3-30B-A3B {what}, q/k norms folded in (fused QKV views)"))
     return tuple(cases)
 
 

@@ -43,6 +43,10 @@ class LlamaLayer(nn.Module):
         q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
         return q.view(T, H, Dh), k.view(T, Hkv, Dh), v.view(T, Hkv, Dh)
 
+    def qk_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Per-head q/k RMSNorm weights for ``rope_kv_write`` to apply before it rotates (none here)."""
+        return None, None
+
     def mlp(self, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
         return linear(swiglu(linear(x, self.w_gate_up)), self.w_down)
@@ -98,7 +102,9 @@ class LlamaModel(nn.Module):
             k_cache, v_cache = kv.layer(i)
             # one launch: q rotates in place (inside the fused qkv buffer for Llama), rotated k and v
             # go to their cache slots
-            rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, cfg.rope_interleaved, out=q)
+            q_norm, k_norm = layer.qk_norms()
+            rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, cfg.rope_interleaved, out=q,
+                          q_norm=q_norm, k_norm=k_norm, norm_eps=cfg.rms_eps)
             o = paged_attention(q, k_cache, v_cache, meta, scale)  # [T, H, Dh]
             h = linear(o.reshape(T, H * Dh), layer.wo)  # [T, D]
             x, residual = add_rmsnorm(h, residual, layer.mlp_norm, cfg.rms_eps)
