@@ -264,5 +264,6 @@ def test_compiles_for_hopper(compile_reports, name):
     accesses = set(re.findall(r"\b(?:ld|st)\.global[\w.:]*", report.ptx))
     assert {"ld.global.v4.b32", "st.global.v4.b32"} <= accesses, f"{name}: no 128-bit accesses"
     # (with the norm, the weights' loads may be narrower: Dh elements per program, from L1)
-    allowed = {"ld.global.v4.b32", "st.global.v4.b32", "ld.global.b64"} | ({"ld.global.b16", "ld.global.b32"} if norm else set())
+    allowed = {"ld.global.v4.b32", "st.global.v4.b32", "ld.global.b64"}
+    allowed |= {"ld.global.b16", "ld.global.b32"} if norm else set()
     assert accesses <= allowed, f"{name}: {sorted(accesses)}"

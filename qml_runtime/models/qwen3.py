@@ -31,7 +31,6 @@ from qml_runtime.config import ModelConfig
 from qml_runtime.models import llama
 from qml_runtime.models.llama import _param
 
-
 # Fold the per-head q/k norms into rope_kv_write's launch (two launches fewer per layer: 96 of the
 # ~790 in a Qwen3-30B-A3B decode step). Checked against the reference in Triton's interpreter and
 # compiled for sm_90a; off until the H200 check (bf16 at the 30B-A3B shapes against transformers)
