@@ -52,6 +52,9 @@ def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK,
     the block pool directly)."""
     runner, blocks, device = engine.runner, engine.blocks, engine.device
     one_step = max(engine.scheduler.config.max_batched_tokens, engine.scheduler.config.max_tokens_alone)
+    # no warm-up step larger than a served one (its activations would be the start-up's memory peak);
+    # a chunk the prefill graphs then take leaves the eager path to the mixed batch below
+    chunk = min(chunk, one_step - 1)
     # the longest prompt is followed by an eager chunk over its cached context (CHUNK tokens: more
     # than the prefill graphs take, not a multiple of 16) and a last token beside another's
     limit = min(one_step, engine.context_length - chunk - 10,

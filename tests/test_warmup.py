@@ -76,3 +76,15 @@ def test_short_prompts_are_timed_too(engine, tmp_path):
     curve = warm_up(eng, sizes=(100,), chunk=24, timed_short=(20, 50, 400))
     assert [n for n, _ in curve] == [20, 50, 100]  # those shorter than the compiled sizes
     eng.tiers.close()
+
+
+def test_no_warm_up_step_is_larger_than_a_served_one(engine, tmp_path):
+    """The default chunk (4,999 tokens, past the prefill graphs) is cut to what one step may take."""
+    eng = Engine(engine.model, engine.tokenizer, engine.model_config, model_id="warm", device=engine.device,
+                 dtype=engine.dtype, cache=CacheConfig(block_size=16, num_blocks=64),
+                 scheduler=SchedulerConfig(max_batched_tokens=64), fingerprint=b"w" * 32)
+    steps = []
+    step = eng.runner.step
+    eng.runner.step = lambda batch: (steps.append(sum(batch.num_tokens)), step(batch))[1]
+    assert [n for n, _ in warm_up(eng, sizes=(40,))] == [40]
+    assert steps and max(steps) <= 64, steps
