@@ -247,7 +247,9 @@ class KVTiers:
         self._restore_stream = torch.cuda.Stream(kv.data.device) if self._cuda else None
         self._restored = None  # the last restore's final event: host slots are read until then
         self.layered = True  # host-tier restores by layer, read in place (False: through staging)
-        if self._cuda and host is not None and host.capacity > 0 and host.slots.is_pinned():
+        # the device can read the host tier's rows in place (pinned, on a GPU): _upload_layers
+        self._in_place = self._cuda and host is not None and host.capacity > 0 and host.slots.is_pinned()
+        if self._in_place:
             self._compile_page_copy()
         self._pending: list[tuple[int, int]] = []  # (page, host slot) spilled, not yet copied down
         # with no host tier: (page, name, tokens) spilled straight to disk, not yet gathered
@@ -274,13 +276,19 @@ class KVTiers:
         """A cached GPU page is about to be reused: keep its content in host RAM (or on disk).
         The copy happens at the next ``flush_spills``, before the step that reuses the page."""
         if self.host is not None and self.host.capacity > 0:
-            slot = self._reserve_host(name, tokens)
-            if slot is not None:
-                self._pending.append((page, slot))
+            if self._queue_host_copy(page, name, tokens):
                 self.stats.spilled_host += 1
             return
         if self.disk is not None and not self.disk.contains(name):
             self._pending_disk.append((page, name, tokens))
+
+    def _queue_host_copy(self, page: int, name: bytes, tokens: tuple[int, ...]) -> bool:
+        """Reserve a host slot for ``page`` (named ``name``) and queue its copy down for the next
+        ``flush_spills``; False when the name is in host RAM already or no slot is free."""
+        slot = self._reserve_host(name, tokens)
+        if slot is not None:
+            self._pending.append((page, slot))
+        return slot is not None
 
     def _reserve_host(self, name: bytes, tokens: tuple[int, ...]) -> int | None:
         """A host slot for ``name``; what it evicts goes to disk first."""
@@ -352,11 +360,8 @@ class KVTiers:
         (benchmarks/kv_upload_h200.py), and the turn waited on both."""
         if self.host is not None and self.host.capacity > 0:
             for page, name, tokens, _ in pages:
-                if self.host.find(name, tokens) is None:
-                    slot = self._reserve_host(name, tokens)
-                    if slot is not None:
-                        self._pending.append((page, slot))
-                        self.stats.kept_host += 1
+                if self._queue_host_copy(page, name, tokens):  # (a page already there: its recency refreshed)
+                    self.stats.kept_host += 1
             self.flush_spills()
         if self.disk is None:
             return
@@ -658,8 +663,7 @@ class KVTiers:
         row, row count); destination row i goes to ``pages[i]``. Rows of the pinned host tier go
         layer by layer on a side stream (``_upload_layers``); others through a GPU staging buffer
         on the compute stream."""
-        if self.layered and self._cuda and self.host is not None and self.host.slots.is_pinned() \
-                and all(src is self.host.slots for src, _, _, _ in sources):
+        if self.layered and self._in_place and all(src is self.host.slots for src, _, _, _ in sources):
             # a page spilled to make room is gathered before the restore overwrites it, but copied down
             # after it: both ways at once, the restore ran at ~half speed (kv_upload_h200: 3.5 GB up
             # beside 3.5 GB down took 104 ms against 70 alone), and the turn waits only on the restore
@@ -747,7 +751,6 @@ class KVTiers:
                 event = torch.cuda.Event(enable_timing=layer == self.kv.data.shape[0] - 1)
                 event.record()
                 events.append(event)
-        index.record_stream(stream)
         self.kv.restore_events(events)
         self._restored = events[-1]  # host slots read until then: _settle_slot waits for it
         self._timing.append((start, events[-1], len(pages) * self.block_bytes))
