@@ -320,13 +320,14 @@ def section_transformers(args, device) -> None:
 
 # --- engine ----------------------------------------------------------------------------------
 
-def _served_engine(args, device):
-    """The preset's engine as the engine sections measure it (random weights, no host tier)."""
+def _served_engine(args, device, kv_host_gib: float = 0):
+    """The preset's engine as the engine sections measure it (random weights, no host tier unless
+    ``kv_host_gib``)."""
     from qml_runtime.loader import load_engine
 
     return load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
                        kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
-                       kv_host_gib=0, progress=False)
+                       kv_host_gib=kv_host_gib, progress=False)
 
 
 def _timed_request(engine, ids: list[int], params: SamplingParams, tokens: list[int] | None = None) -> list[float]:
@@ -601,12 +602,8 @@ def section_hostturn(args, device) -> None:
     case, in-process): the engine loop's split (schedule / step / post) and a profile of the turn."""
     from torch.profiler import ProfilerActivity, profile
 
-    from qml_runtime.loader import load_engine
-
     # the sessions bench's GPU pool (--kv-cache-gib 10), more host RAM: the turns here must not fill it
-    engine = load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
-                         kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
-                         kv_host_gib=5 * args.kv_cache_gib, progress=False)
+    engine = _served_engine(args, device, kv_host_gib=5 * args.kv_cache_gib)
     engine.start()
     V = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(6)
