@@ -21,7 +21,7 @@ from qml_kernels.attention_decode import (
     paged_decode_attention_triton,
 )
 from qml_kernels.workbench.check import check
-from qml_kernels.workbench.compile import compile_checks
+from qml_kernels.workbench.compile import compile_checks_by_name
 from qml_kernels.workbench.spec import Case
 
 # max |out - ref| / max |ref|, ref in fp32: fp32 is reordered sums only; fp16 rounds the output
@@ -232,7 +232,7 @@ COMPILE_VARIANTS = {
 
 @pytest.fixture(scope="module")
 def compile_reports() -> dict:
-    return dict(zip(COMPILE_VARIANTS, compile_checks(list(COMPILE_VARIANTS.values()))))
+    return compile_checks_by_name(COMPILE_VARIANTS)
 
 
 @pytest.mark.parametrize("name", COMPILE_VARIANTS)

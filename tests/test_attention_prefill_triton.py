@@ -22,7 +22,7 @@ from qml_kernels.attention_prefill import (
     paged_prefill_attention_triton,
 )
 from qml_kernels.workbench.check import check
-from qml_kernels.workbench.compile import compile_checks
+from qml_kernels.workbench.compile import compile_checks_by_name
 from qml_kernels.workbench.spec import Case
 
 SPEC = PAGED_PREFILL_ATTENTION_SPEC
@@ -226,7 +226,7 @@ COMPILE_VARIANTS = {
 
 @pytest.fixture(scope="module")
 def compile_reports() -> dict:
-    return dict(zip(COMPILE_VARIANTS, compile_checks(list(COMPILE_VARIANTS.values()))))
+    return compile_checks_by_name(COMPILE_VARIANTS)
 
 
 @pytest.mark.parametrize("name", COMPILE_VARIANTS)

@@ -3,7 +3,6 @@ interpreter on CPU (fp32, fp16), its routing by the tuning table, and its compil
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -13,7 +12,7 @@ from qml_kernels import registry
 from qml_kernels.gemv import MAX_TOKENS, GemvConfig, _gemv_kernel, gemv_capable, gemv_triton
 from qml_kernels.linear import linear_ref, load_linear_table, preferred_impl, use_tuning_table
 from qml_kernels.tuning import write_table
-from qml_kernels.workbench.compile import compile_checks
+from qml_kernels.workbench.compile import compile_checks_by_name
 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -110,13 +109,12 @@ COMPILE_VARIANTS = {
 
 @pytest.fixture(scope="module")
 def compile_reports() -> dict:
-    reports = compile_checks([variant for variant in COMPILE_VARIANTS.values()])
-    return dict(zip(COMPILE_VARIANTS, (dataclasses.asdict(r) for r in reports)))
+    return compile_checks_by_name(COMPILE_VARIANTS)
 
 
 @pytest.mark.parametrize("name", COMPILE_VARIANTS)
 def test_compiles_for_hopper(compile_reports, name):
     report = compile_reports[name]
-    assert report["ok"], report["error"]
-    assert ".target sm_90a" in report["ptx"]
-    assert report["spills"] in (0, None), f"{name}: {report['spills']} spill bytes"
+    assert report.ok, report.error
+    assert ".target sm_90a" in report.ptx
+    assert report.spills in (0, None), f"{name}: {report['spills']} spill bytes"

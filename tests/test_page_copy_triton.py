@@ -3,15 +3,13 @@ CPU (bit for bit), its launch configs, its dispatch, and its compilation for Hop
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from qml_kernels import registry
 from qml_kernels.page_copy import PageCopyConfig, _page_copy_kernel, page_copy_ref, page_copy_triton
 from qml_kernels.workbench import check
-from qml_kernels.workbench.compile import compile_checks
+from qml_kernels.workbench.compile import compile_checks_by_name
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # copies move bits: every dtype the pool may hold, compared exactly (the interpreter only loads and
@@ -101,16 +99,15 @@ COMPILE_VARIANTS = {
 
 @pytest.fixture(scope="module")
 def compile_reports() -> dict:
-    reports = compile_checks([variant for variant in COMPILE_VARIANTS.values()])
-    return dict(zip(COMPILE_VARIANTS, (dataclasses.asdict(r) for r in reports)))
+    return compile_checks_by_name(COMPILE_VARIANTS)
 
 
 @pytest.mark.parametrize("name", COMPILE_VARIANTS)
 def test_compiles_for_hopper(compile_reports, name):
     report = compile_reports[name]
-    assert report["ok"], report["error"]
+    assert report.ok, report.error
     if name == "small-fp32":
         return  # 32-element steps over 128 threads: one element each, nothing to vectorize
     # 16-byte vectors at the real page sizes: a copy that moves 2 or 4 bytes per instruction would
     # not fill the bus
-    assert ".v4.b32" in report["ptx"] or ".v2.b64" in report["ptx"], "no 16-byte loads or stores"
+    assert ".v4.b32" in report.ptx or ".v2.b64" in report.ptx, "no 16-byte loads or stores"

@@ -22,7 +22,7 @@ from qml_kernels.rope import (
     rope_ref,
     rope_triton,
 )
-from qml_kernels.workbench.compile import compile_checks
+from qml_kernels.workbench.compile import compile_checks_by_name
 from qml_kernels.workbench.spec import Case
 
 # max |out - ref| / max |ref|, ref computed in fp32; fp16 allows one output rounding (2^-11)
@@ -207,7 +207,7 @@ COMPILE_VARIANTS = {
 
 @pytest.fixture(scope="module")
 def compile_reports() -> dict:
-    return dict(zip(COMPILE_VARIANTS, compile_checks(list(COMPILE_VARIANTS.values()))))
+    return compile_checks_by_name(COMPILE_VARIANTS)
 
 
 @pytest.mark.parametrize("name", COMPILE_VARIANTS)

@@ -136,6 +136,11 @@ def compile_checks(requests: list[dict]) -> list[CompileReport]:
     return _compile_in_child(full)
 
 
+def compile_checks_by_name(requests: dict[str, dict]) -> dict[str, CompileReport]:
+    """``compile_checks`` over named requests (a test's variant table) -> report by name."""
+    return dict(zip(requests, compile_checks(list(requests.values()))))
+
+
 def compile_check(kernel, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4,
                   num_stages: int = 3, arch: int = 90, aligned: bool = True,
                   divisible: tuple[str, ...] = ()) -> CompileReport:
