@@ -119,12 +119,15 @@ class PagedPrefillAttentionConfig:
             raise ValueError("PagedPrefillAttentionConfig: max_splits, min_keys_per_split and concurrent_programs "
                              "must be >= 1, merge_overhead_keys >= 0")
 
-    def tiles(self, head_dim: int, group: int) -> tuple[int, int]:
-        """(BLOCK_M, BLOCK_N) for this head dim; BLOCK_M holds at least one token's query heads."""
+    def tiles(self, head_dim: int, group: int, split: bool = False) -> tuple[int, int]:
+        """(BLOCK_M, BLOCK_N) for this head dim; BLOCK_M holds at least one token's query heads.
+        ``split``: the split-KV launch (a short chunk over a long band), which takes 128 keys a step
+        up to Dh 128: 312 against 369 us for the 219-query turn over 27,339 keys of Llama-3.1-8B
+        on the H200 (kv-upload-h200-2026-11-30.md; the sweep's best of 36 configs)."""
         # the fp32 accumulator is BLOCK_M x Dh: 128 rows up to Dh 128, 64 rows at Dh 256 keep it
         # (and the Q tile) within the register file of 8 warps without spills
         block_m = self.block_m or (128 if head_dim <= 128 else 64)
-        block_n = self.block_n or (64 if head_dim <= 128 else 32)
+        block_n = self.block_n or (32 if head_dim > 128 else 128 if split else 64)
         return max(block_m, triton.next_power_of_2(group)), block_n
 
 
@@ -429,7 +432,7 @@ def _constexprs(H: int, Hkv: int, Dh: int, S: int, dtype: torch.dtype, window: b
                 config: PagedPrefillAttentionConfig, direct: bool = True) -> dict:
     """The kernel's compile-time parameters, as the launcher specialises it (``direct``: one split)."""
     group = H // Hkv
-    block_m, block_n = config.tiles(Dh, group)
+    block_m, block_n = config.tiles(Dh, group, split=not direct)
     return {"GROUP": group, "TILE_TOKENS": block_m // group, "HEAD_DIM": Dh, "PAGE_SIZE": S,
             "BLOCK_M": block_m, "BLOCK_N": block_n,
             "SEQ_CHUNK": 64,  # sequences scanned per step of the program -> sequence search

@@ -49,6 +49,7 @@ Emit = Callable[[RequestOutput | BaseException], None]
 
 # the token of a step launched behind another whose tokens are not yet known (never a real token id)
 PLACEHOLDER = -1
+PUMP_POLL_S = 0.001  # while idle with kept pages still to copy down: how often the next chunk is tried
 
 
 @dataclass
@@ -325,9 +326,11 @@ class Engine:
             # device's. Anything new (a request, an abort) first waits for the step in flight.
             following = None if drained else self._launch_following(inflight)
             self._complete(inflight)
+            self._pump()
             return following
         if not self.scheduler.has_work():
-            self._wakeup.wait()
+            # finished requests' pages go down to host RAM a chunk at a time while nothing runs
+            self._wakeup.wait(PUMP_POLL_S if self._pump() else None)
             self._wakeup.clear()
             return None
         t_start = time.perf_counter()
@@ -381,6 +384,14 @@ class Engine:
         self._take_tokens(batch, tokens, logprobs)
         self.loop_seconds["post"] += time.perf_counter() - t1
         return None
+
+    def _pump(self) -> bool:
+        """One more chunk of kept pages to host RAM, between decode steps or while idle (never while
+        prompts wait: their prefill, or a restore, would share the link with it). True while some
+        remain."""
+        if self.tiers is None or self.scheduler.waiting:
+            return False
+        return self.tiers.pump()
 
     def _launch_following(self, inflight: Launched) -> Launched | None:
         """Launch the decode step after ``inflight`` before its tokens are known, when it is certain to

@@ -260,6 +260,73 @@ def test_a_finished_requests_pages_reach_host_ram_at_once_and_their_eviction_cop
         eng.shutdown()
 
 
+def _deferred_owners_agree(eng) -> None:
+    """Each deferred copy still targets a slot that host RAM files under its page's name."""
+    lru = {slot: name for name, (slot, _) in eng.tiers.host._lru.items()}
+    for slot, page in list(eng.tiers._deferred_slots.items()):
+        assert eng.tiers._deferred[page] == slot
+        assert lru.get(slot) == eng.blocks.named(page)[0]
+
+
+def test_kept_pages_go_down_in_chunks_between_steps(engine, expected, monkeypatch):
+    """With ``defer_persist`` (the GPU default) a finished request's pages only get host slots when
+    it ends; the engine copies them down ``pump_pages`` at a time while idle, until all are there."""
+    eng = sibling(engine, num_blocks=10, host_bytes=64 * 2**20)
+    chunks = []
+    pump = type(eng.tiers).pump
+
+    def counted(self):
+        before = self.deferred
+        more = pump(self)
+        chunks.append(before - self.deferred)
+        return more
+
+    monkeypatch.setattr(type(eng.tiers), "pump", counted)
+    try:
+        eng.tiers.defer_persist, eng.tiers.pump_pages = True, 2
+        ids2, cacheable = turns(eng)
+        deadline = time.monotonic() + 30
+        while eng.tiers.deferred and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.tiers.deferred == 0 and eng.tiers.stats.kept_host >= cacheable // 16
+        assert max(chunks) == 2 and sum(chunks) >= cacheable // 16  # two pages a call, over several calls
+        for page in range(eng.blocks.num_blocks):
+            named = eng.blocks.named(page)
+            if named is not None:
+                slot = eng.tiers.host.find(*named)
+                assert slot is not None
+                assert torch.equal(eng.tiers.host.slots[slot], eng.kv.gather_pages(torch.tensor([page]))[0])
+        out = eng.generate_sync(ids2, GREEDY)
+        assert out.cached_tokens == cacheable and out.token_ids == expected
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_kept_page_evicted_before_its_copy_is_copied_as_a_spill(engine, expected, tmp_path, disk):
+    """No pump at all: every kept page leaves the GPU (evicted by other prompts, or its host slot taken
+    by newer pages of a small host tier, written to disk first when there is one) before its deferred
+    copy ran. The next turn still restores the right bytes from host RAM or disk."""
+    extra = {"disk_dir": str(tmp_path), "disk_bytes": 2**30} if disk else {}
+    eng = sibling(engine, num_blocks=10, host_bytes=3 * 2**20 if disk else 64 * 2**20, **extra)  # disk: 4 slots
+    eng.tiers.pump = lambda: False  # the engine never copies kept pages down on its own
+    try:
+        eng.tiers.defer_persist = True
+        ids2, cacheable = turns(eng)
+        assert eng.tiers.deferred > 0
+        _deferred_owners_agree(eng)
+        for q in ("Describe the sea.", "What is a prime number?", "Tell me about Paris.", "Why is grass green?"):
+            eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": q}]), GREEDY)
+            _deferred_owners_agree(eng)
+        if disk:
+            eng.tiers.flush()  # the writer drains: what the host tier gave up is on disk
+        out = eng.generate_sync(ids2, GREEDY)
+        assert out.cached_tokens == cacheable >= 32 and out.token_ids == expected
+        assert eng.tiers.stats.restored_host + eng.tiers.stats.restored_disk > 0
+    finally:
+        eng.shutdown()
+
+
 def test_a_full_host_tier_waits_only_for_the_slot_it_evicts(engine, tmp_path, monkeypatch):
     """Each page a full host tier takes evicts one entry (written to disk first): only copies into that
     slot are waited for. Flushing every pending spill at each eviction once serialised a restore's

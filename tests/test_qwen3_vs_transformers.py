@@ -157,20 +157,22 @@ def test_moe_kernels_in_the_model_match_transformers(hf):
     assert rel < REL_TOL, f"{name}: {rel:.2e}"
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_qk_norms_folded_into_rope_kv_write_match_transformers(hf, monkeypatch, impl):
-    """``QML_FUSED_QK_NORM``: the per-head q/k norms applied inside ``rope_kv_write`` (by its
-    reference, and by the Triton kernel in the interpreter), over 23 tokens and over one."""
+def test_qk_norms_folded_or_not_match_transformers(hf, monkeypatch, impl, fused):
+    """``QML_FUSED_QK_NORM``: the per-head q/k norms applied inside ``rope_kv_write`` (the default)
+    or by two ``rmsnorm`` launches, with the reference and the Triton kernels (interpreter), over
+    23 tokens and over one."""
     from qml_runtime.models import qwen3
 
     name, hf_model, folder = hf
-    monkeypatch.setattr(qwen3, "FUSED_QK_NORM", True)
+    monkeypatch.setattr(qwen3, "FUSED_QK_NORM", fused)
     model = _load_folder(folder)
-    assert all(layer.fused_qk_norm for layer in model.layers)
-    with registry.using(rope_kv_write=impl):
+    assert all(layer.fused_qk_norm is fused for layer in model.layers)
+    with registry.using(rope_kv_write=impl, rmsnorm=impl):
         for prompt in (PROMPT, [77]):
             rel = _rel(prefill_logits(model, prompt), _hf_logits(hf_model, prompt))
-            assert rel < REL_TOL, f"{name} {impl} ({len(prompt)} tokens): {rel:.2e}"
+            assert rel < REL_TOL, f"{name} {impl} fused={fused} ({len(prompt)} tokens): {rel:.2e}"
 
 
 def test_engine_from_folder_generates_as_transformers(hf):

@@ -229,6 +229,39 @@ def test_with_any_curve_the_plan_is_never_slower_than_recomputing(tiers, curve, 
     assert plan.seconds <= plan.recompute_seconds + 1e-9
 
 
+def _fresh_seconds_by_scan(curve, tokens):
+    """The curve's interpolation as first written: a linear scan for the segment."""
+    if tokens <= 0:
+        return 0.0
+    if len(curve) == 1 or tokens <= curve[0][0]:
+        return tokens * curve[0][1] / curve[0][0]
+    i = next((i for i in range(1, len(curve)) if tokens <= curve[i][0]), len(curve) - 1)
+    (n0, s0), (n1, s1) = curve[i - 1], curve[i]
+    r0, r1 = s0 / n0, s1 / n1
+    return tokens * max(r0 + (r1 - r0) * (tokens - n0) / (n1 - n0), min(r0, r1))
+
+
+@given(st.lists(st.sampled_from(["host", "disk"]), max_size=80),
+       st.lists(st.tuples(st.integers(16, 40_000), st.floats(1e-4, 5.0)), min_size=1, max_size=6,
+                unique_by=lambda p: p[0]),
+       st.floats(1e8, 1e11), st.integers(0, 30_000))
+@settings(max_examples=200, deadline=None)
+def test_the_host_run_and_curve_lookups_agree_with_a_block_by_block_search(tiers, curve, host, start):
+    """The plan takes the longest leading host run whose copy beats computing it, searched from the
+    longest down, and looks the curve up by bisection: the same answers as trying every run
+    length from one up with a linear scan of the curve."""
+    curve = sorted(curve)
+    planner = RestorePlanner(prefill_curve=curve, host_bytes_per_s=host, disk_bytes_per_s=1e9)
+    for tokens in (0, 1, curve[0][0], curve[-1][0], curve[-1][0] + 7, start + 5 * TOKENS):
+        assert planner.fresh_seconds(tokens) == _fresh_seconds_by_scan(curve, tokens)
+    h = run = 0
+    while run < len(tiers) and tiers[run] == "host":
+        run += 1
+        if run * BLOCK / host < planner.prefill_seconds(start, run * TOKENS):
+            h = run
+    assert planner.plan(tiers, BLOCK, TOKENS, start).host_now == h
+
+
 def test_rates_survive_a_restart_and_bad_files_are_ignored(engine, tmp_path):
     first = sibling(engine, tmp_path)
     first.tiers.planner.observe("disk", 1.23e9, 1.0)

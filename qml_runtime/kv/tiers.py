@@ -29,12 +29,14 @@ Copies are batched and ordered on CUDA streams, never one synchronous copy per p
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,6 +50,10 @@ from qml_runtime.kv.host_tier import HostTier
 log = logging.getLogger("qml.kv.tiers")
 
 MAX_BATCH_PAGES = 512  # pages per gathered copy: bounds the GPU staging buffer (1 GiB at 2 MiB pages)
+# a finished request's pages go down to host RAM this many bytes at a time, one chunk on the link at
+# once, between steps (``KVTiers.pump``): ~2.5 ms at 51 GB/s, the most a restore that arrives then
+# shares the link with
+PUMP_BYTES = 128 << 20
 MAX_PENDING_WRITE_BYTES = 4 << 30  # gathered pages waiting for the disk writer; past it a persist is skipped
 BOUNCE_PAGES = 64  # the writer's pinned buffer between GPU staging and files (128 MiB at 2 MiB pages)
 LOADER_THREADS = 4  # parallel block reads: an NVMe drive wants several requests in flight
@@ -134,7 +140,8 @@ class RestorePlanner:
         if len(curve) == 1 or tokens <= curve[0][0]:
             n, s = curve[0]
             return tokens * s / n
-        i = next((i for i in range(1, len(curve)) if tokens <= curve[i][0]), len(curve) - 1)
+        # the first point at or past ``tokens`` (a plan asks this for every block of a 27k history)
+        i = min(bisect.bisect_left(curve, tokens, key=lambda point: point[0]), len(curve) - 1)
         (n0, s0), (n1, s1) = curve[i - 1], curve[i]
         r0, r1 = s0 / n0, s1 / n1  # seconds per token, linear in the length between (and past) the points
         return tokens * max(r0 + (r1 - r0) * (tokens - n0) / (n1 - n0), min(r0, r1))
@@ -173,11 +180,12 @@ class RestorePlanner:
         # the leading host blocks copied now: the longest run whose copy beats computing it (a block
         # costs more to compute the later it lies, so the first blocks alone can be cheaper to compute
         # than to copy while the run as a whole is not)
-        h, run = 0, 0
+        run = 0
         while run < n and tiers[run] == "host":
             run += 1
-            if run * host_block < self.prefill_seconds(start, run * bt):
-                h = run
+        # from the longest run down: the whole run nearly always wins at once (one evaluation, not
+        # one per block: ~1,700 of them took ~4 ms of a 27k-token turn's scheduling on the H200)
+        h = next((r for r in range(run, 0, -1) if r * host_block < self.prefill_seconds(start, r * bt)), 0)
         rest = tiers[h:]
         m = len(rest)
         if m == 0:
@@ -244,7 +252,9 @@ class KVTiers:
         self._cuda = kv.data.is_cuda
         self._copy_stream = torch.cuda.Stream(kv.data.device) if self._cuda else None
         # restores from host RAM, layer by layer, beside the compute stream (_upload_layers)
-        self._restore_stream = torch.cuda.Stream(kv.data.device) if self._cuda else None
+        # at high priority: the turn's prefill kernels fill every SM, and each layer's copy programs
+        # should get the next free ones, as the prefill waits for them
+        self._restore_stream = torch.cuda.Stream(kv.data.device, priority=-1) if self._cuda else None
         self._restored = None  # the last restore's final event: host slots are read until then
         self.layered = True  # host-tier restores by layer, read in place (False: through staging)
         # the device can read the host tier's rows in place (pinned, on a GPU): _upload_layers
@@ -252,6 +262,15 @@ class KVTiers:
         if self._in_place:
             self._compile_page_copy()
         self._pending: list[tuple[int, int]] = []  # (page, host slot) spilled, not yet copied down
+        # finished requests' pages kept in host RAM: a slot is reserved, the copy waits for ``pump``
+        # (page -> slot, oldest first, and slot -> page). On the H200 a 3.5 GB restore beside a
+        # 3.5 GB copy down took 104 ms against 70 alone, and a request's whole history copied down at
+        # its end was still on the link when the next turn's restore (or input copies) came.
+        self.defer_persist = self._cuda
+        self._deferred: OrderedDict[int, int] = OrderedDict()
+        self._deferred_slots: dict[int, int] = {}
+        self._pump_done = None  # the event after the last chunk pump queued
+        self.pump_pages = max(1, PUMP_BYTES // self.block_bytes)
         # with no host tier: (page, name, tokens) spilled straight to disk, not yet gathered
         self._pending_disk: list[tuple[int, bytes, tuple[int, ...]]] = []
         # host slot -> the copy filling it (may still run). A slot filled again maps to the newer copy,
@@ -275,6 +294,9 @@ class KVTiers:
     def spill(self, page: int, name: bytes, tokens: tuple[int, ...]) -> None:
         """A cached GPU page is about to be reused: keep its content in host RAM (or on disk).
         The copy happens at the next ``flush_spills``, before the step that reuses the page."""
+        if page in self._deferred:  # kept when its request ended, not copied yet: now it must be
+            self._pending.append((page, self._undefer(page)))
+            return
         if self.host is not None and self.host.capacity > 0:
             if self._queue_host_copy(page, name, tokens):
                 self.stats.spilled_host += 1
@@ -282,19 +304,61 @@ class KVTiers:
         if self.disk is not None and not self.disk.contains(name):
             self._pending_disk.append((page, name, tokens))
 
-    def _queue_host_copy(self, page: int, name: bytes, tokens: tuple[int, ...]) -> bool:
+    def _queue_host_copy(self, page: int, name: bytes, tokens: tuple[int, ...], defer: bool = False) -> bool:
         """Reserve a host slot for ``page`` (named ``name``) and queue its copy down for the next
-        ``flush_spills``; False when the name is in host RAM already or no slot is free."""
+        ``flush_spills`` (``defer``: for ``pump``); False when the name is in host RAM already or
+        no slot is free."""
         slot = self._reserve_host(name, tokens)
-        if slot is not None:
+        if slot is not None and defer:
+            self._deferred[page] = slot
+            self._deferred_slots[slot] = page
+        elif slot is not None:
             self._pending.append((page, slot))
         return slot is not None
+
+    def _undefer(self, page: int) -> int:
+        slot = self._deferred.pop(page)
+        del self._deferred_slots[slot]
+        return slot
+
+    def _copy_deferred_now(self, slots) -> None:
+        """Deferred copies into any of ``slots`` join the pending ones (their slot is about to be
+        read or reused)."""
+        for slot in slots:
+            page = self._deferred_slots.get(slot)
+            if page is not None:
+                self._pending.append((page, self._undefer(page)))
+
+    @property
+    def deferred(self) -> int:
+        """Pages kept in host RAM whose copy down ``pump`` has not queued yet."""
+        return len(self._deferred)
+
+    def pump(self) -> bool:
+        """Queue the next ``pump_pages`` deferred copies down, unless the link is busy: the chunk
+        queued before is still copying, or a restore is. True while deferred copies remain (the
+        engine calls again between steps, and polls while idle)."""
+        if not self._deferred:
+            return False
+        if self._pump_done is not None and not self._pump_done.query():
+            return True
+        if self.kv.restoring or (self._restored is not None and not self._restored.query()):
+            return True
+        for _ in range(min(self.pump_pages, len(self._deferred))):
+            page, slot = self._deferred.popitem(last=False)
+            del self._deferred_slots[slot]
+            self._pending.append((page, slot))
+        self.flush_spills()
+        self._pump_done = self._slot_events.get(slot)
+        return bool(self._deferred)
 
     def _reserve_host(self, name: bytes, tokens: tuple[int, ...]) -> int | None:
         """A host slot for ``name``; what it evicts goes to disk first."""
         slot, evicted = self.host.reserve(name, tokens)
         for old_name, old_tokens, old_slot in evicted:
             if self.disk is None or self.disk.contains(old_name):
+                if old_slot in self._deferred_slots:  # its copy down is moot now: the slot changes hands
+                    self._undefer(self._deferred_slots[old_slot])
                 continue  # nothing to write: the slot simply takes the new page
             self._settle_slot(old_slot)  # its bytes must have landed before the CPU reads them
             # a copy: the slot is about to take the new page
@@ -305,6 +369,7 @@ class KVTiers:
         """Host slot ``slot`` holds what was copied into it and no restore still reads it: only the
         copies that concern it are waited for (a full host tier evicts one entry per page it takes,
         and settling everything each time serialised a whole restore's spills, page by page)."""
+        self._copy_deferred_now([slot])
         if any(s == slot for _, s in self._pending):
             self.flush_spills()
         event = self._slot_events.pop(slot, None)
@@ -351,18 +416,22 @@ class KVTiers:
 
     def persist(self, pages: list[tuple[int, bytes, tuple[int, ...], bytes | None]]) -> None:
         """Keep a finished request's named pages (page, name, tokens, parent name): copied to host RAM
-        now (on the side stream), and written through to disk in the background.
+        (on the side stream: in chunks between steps with ``defer_persist``, else now), and written
+        through to disk in the background.
 
-        The host copy is made when the request ends rather than when its pages are evicted: an
+        The host copy is made after the request ends rather than when its pages are evicted: an
         eviction then finds the page already in host RAM and copies nothing, so a later turn that
         restores its history (and evicts as many pages to make room) moves KV in one direction
         only. On the H200 a 3.5 GB restore beside 3.5 GB of spills took 104 ms against 70 alone
-        (benchmarks/kv_upload_h200.py), and the turn waited on both."""
+        (benchmarks/kv_upload_h200.py), and the turn waited on both. A page evicted before ``pump``
+        reached it is copied as a spill."""
         if self.host is not None and self.host.capacity > 0:
             for page, name, tokens, _ in pages:
-                if self._queue_host_copy(page, name, tokens):  # (a page already there: its recency refreshed)
+                # (a page already there: its recency refreshed)
+                if self._queue_host_copy(page, name, tokens, defer=self.defer_persist):
                     self.stats.kept_host += 1
-            self.flush_spills()
+            if not self.defer_persist:
+                self.flush_spills()
         if self.disk is None:
             return
         todo = [(p, n, t, parent) for p, n, t, parent in pages if not self.disk.contains(n)]
@@ -663,6 +732,7 @@ class KVTiers:
         row, row count); destination row i goes to ``pages[i]``. Rows of the pinned host tier go
         layer by layer on a side stream (``_upload_layers``); others through a GPU staging buffer
         on the compute stream."""
+        self._fill_first(sources)
         if self.layered and self._in_place and all(src is self.host.slots for src, _, _, _ in sources):
             # a page spilled to make room is gathered before the restore overwrites it, but copied down
             # after it: both ways at once, the restore ran at ~half speed (kv_upload_h200: 3.5 GB up
@@ -696,6 +766,18 @@ class KVTiers:
             self._timing.append((start, end, len(pages) * self.block_bytes))
         else:
             self.planner.observe("host", len(pages) * self.block_bytes, time.perf_counter() - t0)
+
+    def _fill_first(self, sources) -> None:
+        """A restore reading a host slot whose copy down has not been queued (deferred, or a spill
+        gathered in this same schedule) queues those copies first: ``_slot_waits`` then orders the
+        restore after them. (Rare: such a page is still on the GPU, where the prefix is looked up
+        first.)"""
+        if self.host is None or not (self._deferred_slots or self._pending):
+            return
+        read = {slot for src, _, s, n in sources if src is self.host.slots for slot in range(s, s + n)}
+        self._copy_deferred_now([slot for slot in self._deferred_slots if slot in read])
+        if any(slot in read for _, slot in self._pending):
+            self.flush_spills()
 
     def _slot_waits(self, sources) -> list:
         """The spill copies still filling the host slots that ``sources`` read (once each)."""

@@ -2,7 +2,7 @@
 
 Per layer, as Llama (llama.py), with three differences:
 - q and k are RMS-normalised per head (weights ``[Dh]``) after the projection and before RoPE
-  (two ``rmsnorm`` launches, or inside ``rope_kv_write`` with ``QML_FUSED_QK_NORM=1``);
+  (inside ``rope_kv_write``'s launch; two ``rmsnorm`` launches with ``QML_FUSED_QK_NORM=0``);
 - the head dim is the config's (128 for every Qwen3 size), not ``D / H``;
 - Qwen3-MoE: in ``cfg.moe_layers`` the FFN is a router ``[E, D]`` whose logits pick, per token,
   ``A`` of ``E`` SwiGLU experts (softmax, top-k, renormalised over the chosen ones when
@@ -31,11 +31,11 @@ from qml_runtime.config import ModelConfig
 from qml_runtime.models import llama
 from qml_runtime.models.llama import _param
 
-# Fold the per-head q/k norms into rope_kv_write's launch (two launches fewer per layer: 96 of the
-# ~790 in a Qwen3-30B-A3B decode step). Checked against the reference in Triton's interpreter and
-# compiled for sm_90a; off until the H200 check (bf16 at the 30B-A3B shapes against transformers)
-# has run with it.
-FUSED_QK_NORM = os.environ.get("QML_FUSED_QK_NORM", "0") == "1"
+# Fold the per-head q/k norms into rope_kv_write's launch (two launches fewer per layer: a
+# Qwen3-30B-A3B decode step went from ~790 launches to 648). On the H200 (2026-12-01, 4 layers of
+# the 30B-A3B shapes against transformers) fp32 matched exactly and bf16 stayed within transformers'
+# own bf16-vs-fp32 spread; ``QML_FUSED_QK_NORM=0`` brings back the two separate norm launches.
+FUSED_QK_NORM = os.environ.get("QML_FUSED_QK_NORM", "1") != "0"
 
 
 class Qwen3Layer(llama.LlamaLayer):
