@@ -266,7 +266,7 @@ class KVTiers:
         # (page -> slot, oldest first, and slot -> page). On the H200 a 3.5 GB restore beside a
         # 3.5 GB copy down took 104 ms against 70 alone, and a request's whole history copied down at
         # its end was still on the link when the next turn's restore (or input copies) came.
-        self.defer_persist = self._cuda
+        self.defer_persist = self._cuda and os.environ.get("QML_DEFER_PERSIST", "1") != "0"
         self._deferred: OrderedDict[int, int] = OrderedDict()
         self._deferred_slots: dict[int, int] = {}
         self._pump_done = None  # the event after the last chunk pump queued
