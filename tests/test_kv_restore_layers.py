@@ -161,3 +161,32 @@ def test_spilling_evicted_pages_does_not_wait_for_a_restore_in_flight():
     assert torch.equal(tiers.host.slots[slot], kv.gather_pages(torch.tensor([5]), settle=False)[0])
     tiers._gather([3])  # a finished request's pages (write-through): after the restore
     assert waits == [events[-1]] and not kv.restoring
+
+
+def test_pages_evicted_in_lru_order_copy_down_in_runs_of_host_slots(monkeypatch):
+    """Pages evicted in LRU order reach host slots out of order; the gather follows the slots, so a
+    run of consecutive slots is one copy (a copy per page cost ~64 ms of a host turn on the H200),
+    and every page lands in its own slot."""
+    from qml_runtime.kv import tiers as tiers_mod
+    from qml_runtime.kv.host_tier import HostTier
+    from qml_runtime.kv.tiers import KVTiers
+
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, 8, 4, "cpu", torch.float32)
+    kv.data.normal_()
+    tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=False), None)
+    tiers.defer_persist = True
+    pages = [6, 2, 7, 0, 5]
+    tiers.persist([(p, b"name-%d" % p, (p,), None) for p in pages])  # slots 0..4, in this order
+    slot_of = {p: tiers.host.find(b"name-%d" % p, (p,)) for p in pages}
+    assert sorted(slot_of.values()) == list(range(5)) and tiers.deferred == 5
+    runs = []
+    real_runs = tiers_mod._runs
+    monkeypatch.setattr(tiers_mod, "_runs", lambda slots: runs.append(real_runs(slots)) or runs[-1])
+    for p in (5, 0, 7, 2, 6):  # evicted oldest-first: the reverse of the slot order
+        tiers.spill(p, b"name-%d" % p, (p,))
+    tiers.flush_spills()
+    assert runs == [[(0, 0, 5)]]  # one batch, one run of five slots
+    want = kv.gather_pages(torch.tensor(pages))
+    for i, p in enumerate(pages):
+        assert torch.equal(tiers.host.slots[slot_of[p]], want[i])
