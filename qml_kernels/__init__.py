@@ -24,6 +24,7 @@ OP_MODULES = (
     "qml_kernels.attention_prefill",
     "qml_kernels.linear",
     "qml_kernels.moe_routing",
+    "qml_kernels.moe_route",
     "qml_kernels.moe_gemm",
     "qml_kernels.page_copy",
 )

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from qml_kernels.moe_route import fused_route_applies, moe_route
 from qml_kernels.moe_routing import draw_expert_ids, moe_align, moe_align_ref, moe_combine, moe_router, moe_router_ref
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
@@ -250,9 +251,12 @@ def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.T
     device, so a decode step can be captured in a CUDA graph.
     """
     T, E = router_logits.shape
-    weights, ids = moe_router(router_logits, top_k, renormalize)  # [T, k] each
     block = moe_block_size(T * top_k, E)
-    sorted_pairs, offsets, _ = moe_align(ids, E, block)
+    if fused_route_applies(router_logits, top_k, renormalize, block):  # a decode step: one launch
+        weights, _, sorted_pairs, offsets, _ = moe_route(router_logits, top_k, renormalize, block)
+    else:
+        weights, ids = moe_router(router_logits, top_k, renormalize)  # [T, k] each
+        sorted_pairs, offsets, _ = moe_align(ids, E, block)
     h = moe_gemm(x, w_gate_up, sorted_pairs, offsets, block, top_k, swiglu=True)  # [T·k, I]
     y = moe_gemm(h, w_down, sorted_pairs, offsets, block, 1)  # [T·k, D]
     return moe_combine(y, weights)

@@ -95,12 +95,10 @@ class MoERoutingConfig:
 # -- router ---------------------------------------------------------------------------------
 
 @triton.jit
-def _moe_router_kernel(
-    logits_ptr, weights_ptr, ids_ptr, T, E, stride_logits,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+def _route_tile(logits_ptr, rows, T, E, stride_logits, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``rows`` [BLOCK_T] of the logits -> (weights, ids) [BLOCK_T, BLOCK_K] fp32 / int32 in
+    registers (slots past TOP_K and rows past T hold junk; the callers mask them)."""
     row_ok = rows < T
     cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     col_ok = cols < E
@@ -128,8 +126,21 @@ def _moe_router_kernel(
         sel_id = tl.where(slots[None, :] == j, idx[:, None], sel_id)
     if RENORMALIZE:
         sel_w = sel_w / tl.sum(sel_w, axis=1)[:, None]
+    return sel_w, sel_id
+
+
+@triton.jit
+def _moe_router_kernel(
+    logits_ptr, weights_ptr, ids_ptr, T, E, stride_logits,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    sel_w, sel_id = _route_tile(logits_ptr, rows, T, E, stride_logits, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E,
+                                 BLOCK_K)
+    slots = tl.arange(0, BLOCK_K)
     out = rows[:, None] * TOP_K + slots[None, :]
-    keep = row_ok[:, None] & (slots[None, :] < TOP_K)
+    keep = (rows[:, None] < T) & (slots[None, :] < TOP_K)
     tl.store(weights_ptr + out, sel_w, mask=keep)
     tl.store(ids_ptr + out, sel_id, mask=keep)
 
