@@ -395,8 +395,14 @@ class KVTiers:
         # consecutive slots was then a copy per page (1,700 cudaMemcpyAsync, ~64 ms of a 27k-token
         # turn's scheduling on the H200); the staging rows may follow any order
         self._pending.sort(key=lambda pair: pair[1])
+        # in the pump's chunks (128 MiB): the caching allocator then serves every spill gather from the
+        # blocks the pump's gathers left. A turn that spills 1,708 pages in 512-page batches would need
+        # ~8 GiB of fresh device memory the first time (each batch gathers, then makes it contiguous),
+        # and the first host-RAM turn after a burst took 80 ms more than the next one (unmeasured guess:
+        # cudaMalloc; see benchmarks/results/sessions-h200-2026-12-01.md)
+        step = min(self.pump_pages, MAX_BATCH_PAGES)
         while self._pending:
-            batch, self._pending = self._pending[:MAX_BATCH_PAGES], self._pending[MAX_BATCH_PAGES:]
+            batch, self._pending = self._pending[:step], self._pending[step:]
             # evicted pages: not the pages of a restore in flight, so no wait for it (the turn that
             # restores its history evicts pages for its own new tokens after the restore is queued,
             # and waiting here would serialise that restore with the turn's prefill)
