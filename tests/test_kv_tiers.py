@@ -235,6 +235,16 @@ def test_a_restart_on_a_store_with_no_measured_disk_rate_probes_the_disk(engine,
         restarted.shutdown()
 
 
+def assert_named_gpu_pages_in_host_ram(eng) -> None:
+    """Every named GPU page is in host RAM, with the same bytes."""
+    for page in range(eng.blocks.num_blocks):
+        named = eng.blocks.named(page)
+        if named is not None:
+            slot = eng.tiers.host.find(*named)
+            assert slot is not None, f"page {page} is not in host RAM"
+            assert torch.equal(eng.tiers.host.slots[slot], eng.kv.gather_pages(torch.tensor([page]))[0])
+
+
 def test_a_finished_requests_pages_reach_host_ram_at_once_and_their_eviction_copies_nothing(engine, expected):
     eng = sibling(engine, num_blocks=10, host_bytes=64 * 2**20)
     try:
@@ -243,13 +253,7 @@ def test_a_finished_requests_pages_reach_host_ram_at_once_and_their_eviction_cop
         eng.generate_sync(eng.tokenizer.encode("Hi"), SamplingParams(max_tokens=1, temperature=0))
         kept = eng.tiers.stats.kept_host
         assert kept >= cacheable // 16, "the first turn's named pages were not copied to host RAM when it ended"
-        # every named GPU page is in host RAM with the same bytes
-        for page in range(eng.blocks.num_blocks):
-            named = eng.blocks.named(page)
-            if named is not None:
-                slot = eng.tiers.host.find(*named)
-                assert slot is not None
-                assert torch.equal(eng.tiers.host.slots[slot], eng.kv.gather_pages(torch.tensor([page]))[0])
+        assert_named_gpu_pages_in_host_ram(eng)
         spilled = eng.tiers.stats.spilled_host
         eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": "Describe the sea."}]),
                           GREEDY)  # evicts the first turn's pages: already in host RAM
@@ -290,12 +294,7 @@ def test_kept_pages_go_down_in_chunks_between_steps(engine, expected, monkeypatc
             time.sleep(0.01)
         assert eng.tiers.deferred == 0 and eng.tiers.stats.kept_host >= cacheable // 16
         assert max(chunks) == 2 and sum(chunks) >= cacheable // 16  # two pages a call, over several calls
-        for page in range(eng.blocks.num_blocks):
-            named = eng.blocks.named(page)
-            if named is not None:
-                slot = eng.tiers.host.find(*named)
-                assert slot is not None
-                assert torch.equal(eng.tiers.host.slots[slot], eng.kv.gather_pages(torch.tensor([page]))[0])
+        assert_named_gpu_pages_in_host_ram(eng)
         out = eng.generate_sync(ids2, GREEDY)
         assert out.cached_tokens == cacheable and out.token_ids == expected
     finally:
