@@ -190,3 +190,27 @@ def test_pages_evicted_in_lru_order_copy_down_in_runs_of_host_slots(monkeypatch)
     want = kv.gather_pages(torch.tensor(pages))
     for i, p in enumerate(pages):
         assert torch.equal(tiers.host.slots[slot_of[p]], want[i])
+
+
+def test_the_pump_waits_while_a_restore_is_in_flight():
+    """Deferred copies share the link with nothing the turn waits on: while a restore's pages are
+    still arriving the pump queues no chunk, then it queues ``pump_pages`` at a time."""
+    from qml_runtime.kv.host_tier import HostTier
+    from qml_runtime.kv.tiers import KVTiers
+
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, 8, 4, "cpu", torch.float32)
+    kv.data.normal_()
+    waits = _recording(kv)
+    tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=False), None)
+    tiers.defer_persist, tiers.pump_pages = True, 2
+    tiers.persist([(p, b"name-%d" % p, (p,), None) for p in (1, 2, 3)])
+    kv.restore_events([f"layer{i}" for i in range(cfg.num_layers)])
+    assert tiers.pump() and tiers.deferred == 3  # a restore in flight: nothing moves
+    kv.settle()
+    assert waits[-1] == f"layer{cfg.num_layers - 1}" and not kv.restoring
+    assert tiers.pump() and tiers.deferred == 1  # two pages; one left
+    assert not tiers.pump() and tiers.deferred == 0
+    want = kv.gather_pages(torch.tensor([1, 2, 3]))
+    for i, p in enumerate((1, 2, 3)):
+        assert torch.equal(tiers.host.slots[tiers.host.find(b"name-%d" % p, (p,))], want[i])

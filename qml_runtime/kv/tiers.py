@@ -212,7 +212,7 @@ class TierStats:
     restored_disk: int = 0
     skipped_disk: int = 0  # found on disk, recomputed because the planner said it was faster
     spilled_host: int = 0  # pages copied to host RAM when evicted
-    kept_host: int = 0  # pages copied to host RAM when their request ended (evicted later for free)
+    kept_host: int = 0  # pages given host slots when their request ended (copied then or by pump; evicted free)
     written_disk: int = 0
     restore_seconds: float = 0.0
     persist_skipped: int = 0  # pages not written through because the writer was too far behind
