@@ -43,6 +43,7 @@ from qml_kernels.moe_routing import (
     padded_rows,
 )
 from qml_kernels.registry import dispatch, register
+from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
 FUSED_MOE_ROUTE = os.environ.get("QML_FUSED_MOE_ROUTE", "0") == "1"
 MAX_TOKENS = 16  # tokens one program routes and groups
@@ -94,19 +95,23 @@ def _num_warps(blocks: dict) -> int:
     return 4 if blocks["BLOCK_T"] * blocks["BLOCK_K"] * blocks["BLOCK_E"] <= 4096 else 8
 
 
-def moe_route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, block_size: int):
+def moe_route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, block_size: int, *,
+                     out: tuple[torch.Tensor, ...] | None = None):
     """logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32, sorted_pairs [R], expert_offsets [E+1],
-    inverse [T·k]), as ``moe_router`` then ``moe_align``; one launch (``supported`` says when)."""
+    inverse [T·k]), as ``moe_router`` then ``moe_align``; one launch (``supported`` says when).
+    ``out``: five tensors to write into, shaped and typed as the result."""
     assert _supported(logits, top_k, renormalize, block_size), \
         f"moe_route: logits {tuple(logits.shape)} {logits.dtype}, top_k {top_k}: use moe_router + moe_align"
     T, E = logits.shape
-    dev = logits.device
-    R = padded_rows(T * top_k, E, block_size)
-    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=dev)
-    sorted_pairs = torch.empty(R, dtype=torch.int32, device=dev)
-    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    inverse = torch.empty(T * top_k, dtype=torch.int32, device=dev)
+    shapes = ((T, top_k), (T, top_k), (padded_rows(T * top_k, E, block_size),), (E + 1,), (T * top_k,))
+    dtypes = (torch.float32,) + (torch.int32,) * 4
+    if out is None:
+        out = tuple(torch.empty(shape, dtype=dtype, device=logits.device) for shape, dtype in zip(shapes, dtypes))
+    for i, (t, shape, dtype) in enumerate(zip(out, shapes, dtypes)):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous(), \
+            f"out[{i}] must be contiguous {dtype} {list(shape)}, got {t.dtype} {tuple(t.shape)}"
+    weights, ids, sorted_pairs, offsets, inverse = out
+    R = shapes[2][0]
     blocks = _blocks(T, E, top_k, block_size)
     _moe_route_kernel[(1,)](
         logits, weights, ids, sorted_pairs, offsets, inverse, T, E, R, logits.stride(0),
@@ -134,6 +139,44 @@ def fused_route_applies(logits: torch.Tensor, top_k: int, renormalize: bool, blo
     """``moe_forward`` takes the fused path: switched on, on a GPU, and within one program's tile."""
     return FUSED_MOE_ROUTE and logits.is_cuda and _supported(logits, top_k, renormalize, block_size)
 
+
+# -- workbench ------------------------------------------------------------------------------
+
+def _make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> dict:
+    d = case.dims
+    logits = 2.0 * torch.randn(d["T"], d["E"], generator=gen, device=gen.device)
+    if d.get("ties"):
+        logits = logits.round()  # integers from about -6 to 6: many equal logits per row
+    if d.get("hot"):
+        logits[:, 0] += 50.0  # every token's first choice is expert 0
+    return {"logits": logits.to(device=device, dtype=dtype), "top_k": d["k"],
+            "renormalize": d.get("renormalize", True), "block_size": d["block"]}
+
+
+CASES = (
+    Case("one-token", {"T": 1, "E": 128, "k": 8, "block": 16}, edge="decode: Qwen3-30B-A3B's 128 experts, top-8"),
+    Case("sixteen-tokens", {"T": 16, "E": 128, "k": 8, "block": 16}, edge="the most one program takes (128 pairs)"),
+    Case("prime-experts", {"T": 5, "E": 61, "k": 3, "block": 16, "renormalize": False},
+         edge="E=61 (prime): masked expert columns; weights not renormalised"),
+    Case("ties", {"T": 4, "E": 64, "k": 8, "block": 16, "ties": True}, edge="integer logits: ties to the lower id"),
+    Case("hot-expert", {"T": 7, "E": 16, "k": 2, "block": 4, "hot": True},
+         edge="every token picks expert 0 first: one long segment"),
+    Case("block-1", {"T": 2, "E": 8, "k": 8, "block": 1}, edge="k = E and 1-row blocks: no padding at all"),
+)
+
+MOE_ROUTE_SPEC = register_spec(OpSpec(
+    op="moe_route",
+    reference=moe_route_ref,
+    make_inputs=_make_inputs,
+    cases=CASES,
+    bytes_moved=lambda inputs: (inputs["logits"].numel() * inputs["logits"].element_size()
+                                + 4 * (3 * inputs["logits"].shape[0] * inputs["top_k"] + inputs["logits"].shape[1]
+                                       + 1 + padded_rows(inputs["logits"].shape[0] * inputs["top_k"],
+                                                         inputs["logits"].shape[1], inputs["block_size"]))),
+    out_arg="out",
+    notes="returns (weights fp32, ids, sorted_pairs, expert_offsets, inverse int32): moe_router's, then "
+          "moe_align's; `out` is a five-tuple mirroring it",
+))
 
 register("moe_route", "reference", moe_route_ref)
 register("moe_route", "triton", moe_route_triton, devices=("cuda",), supports=_supported)

@@ -11,6 +11,7 @@ import torch
 
 from qml_kernels import moe_gemm, moe_route, registry
 from qml_kernels.moe_route import (
+    MOE_ROUTE_SPEC,
     _blocks,
     _moe_route_kernel,
     _num_warps,
@@ -18,6 +19,7 @@ from qml_kernels.moe_route import (
     moe_route_ref,
     moe_route_triton,
 )
+from qml_kernels.workbench import check
 from qml_kernels.workbench.compile import compile_checks_by_name
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -61,6 +63,22 @@ def test_fused_route_equals_router_then_align(name, dtype):
         torch.testing.assert_close(got[0].cpu(), want[0].cpu(), rtol=1e-6, atol=1e-6, msg=where)
         for i, part in enumerate(("ids", "sorted_pairs", "expert_offsets", "inverse"), start=1):
             assert torch.equal(got[i].cpu(), want[i].cpu()), f"{where}: {part} differ"
+
+
+def test_the_workbench_check_passes_with_poisoned_outputs():
+    """The op's shape table through ``check``: fresh inputs, outputs poisoned (NaN, -1) before the
+    run, so an entry the kernel leaves unwritten fails."""
+    report = check("moe_route", "triton", dtypes=DTYPES)
+    assert len(report.results) == len(MOE_ROUTE_SPEC.cases) * len(DTYPES)
+    report.raise_if_failed()
+
+
+def test_out_must_match_the_result():
+    logits = torch.randn(2, 16, device=DEVICE)
+    good = moe_route_ref(logits, 4, True, 8)
+    bad = (good[0], good[1].long(), *good[2:])
+    with pytest.raises(AssertionError, match=r"out\[1\] must be contiguous torch.int32"):
+        moe_route_triton(logits, 4, True, 8, out=bad)
 
 
 def test_only_few_tokens_are_fused():
