@@ -10,7 +10,7 @@ import torch
 from qml_runtime.config import CacheConfig, SchedulerConfig
 from qml_runtime.engine import Engine
 from qml_runtime.kv.host_tier import HostTier
-from qml_runtime.kv.tiers import RestorePlanner
+from qml_runtime.kv.planner import RestorePlanner
 from qml_runtime.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from qml_runtime.config import CacheConfig, SchedulerConfig
 from qml_runtime.engine import Engine
-from qml_runtime.kv.tiers import RestorePlanner
+from qml_runtime.kv.planner import RestorePlanner
 from qml_runtime.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
