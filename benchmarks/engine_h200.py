@@ -750,7 +750,9 @@ def main() -> int:
             "triton": triton.__version__, "preset": args.preset, "command": "python " + " ".join(sys.argv)}
     stem = "engine-h200" if "H200" in gpu else f"engine-{device.type}"
     if args.profile_loop:
-        _profile_engine_loops(args.out)
+        from loop_profile import profile_engine_loops  # beside this script
+
+        profile_engine_loops(args.out)
     failed = []
     for name in args.sections.split(","):
         t0 = time.perf_counter()
@@ -765,39 +767,6 @@ def main() -> int:
         free_memory()
     print("failed sections:", failed or "none", flush=True)
     return 1 if failed else 0
-
-
-def _profile_engine_loops(out: Path) -> None:
-    """Each engine's loop thread runs under cProfile (the host's side of a step: scheduling, tier
-    bookkeeping, launches, and the waits inside them); when the engine stops, the stats go to
-    ``out/loop-{cumulative,tottime}.txt`` and the tiers' and scheduler's callees to
-    ``out/loop-callees.txt`` (the last engine of the run wins)."""
-    import cProfile
-    import io
-    import pstats
-
-    from qml_runtime import engine as engine_mod
-
-    loop = engine_mod.Engine._loop
-
-    def profiled(self):
-        prof = cProfile.Profile()
-        prof.enable()
-        try:
-            loop(self)
-        finally:
-            prof.disable()
-            for key in ("cumulative", "tottime"):
-                text = io.StringIO()
-                pstats.Stats(prof, stream=text).sort_stats(key).print_stats(80)
-                (out / f"loop-{key}.txt").write_text(text.getvalue())
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).print_callees(
-                "_admit|restore_host|_upload|_upload_layers|flush_spills|_gather_spills|_copy_down|_gather$|"
-                "gather_pages|spill|pump|_fill_first|_iterate|_prepare")
-            (out / "loop-callees.txt").write_text(text.getvalue())
-
-    engine_mod.Engine._loop = profiled
 
 
 if __name__ == "__main__":
