@@ -27,3 +27,12 @@ def engine(smollm_path):
     eng.start()
     yield eng
     eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def compile_reports(request) -> dict:
+    """The test module's ``COMPILE_VARIANTS`` compiled for sm_90a once per module: name -> CompileReport
+    (a module with its own report shape defines its own ``compile_reports``)."""
+    from qml_kernels.workbench.compile import compile_checks_by_name
+
+    return compile_checks_by_name(request.module.COMPILE_VARIANTS)

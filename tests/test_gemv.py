@@ -12,7 +12,7 @@ from qml_kernels import registry
 from qml_kernels.gemv import MAX_TOKENS, GemvConfig, _gemv_kernel, gemv_capable, gemv_triton
 from qml_kernels.linear import linear_ref, load_linear_table, preferred_impl, use_tuning_table
 from qml_kernels.tuning import write_table
-from qml_kernels.workbench.compile import compile_checks_by_name
+from qml_kernels.workbench.compile import assert_compiled_for_hopper
 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -107,14 +107,6 @@ COMPILE_VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def compile_reports() -> dict:
-    return compile_checks_by_name(COMPILE_VARIANTS)
-
-
 @pytest.mark.parametrize("name", COMPILE_VARIANTS)
 def test_compiles_for_hopper(compile_reports, name):
-    report = compile_reports[name]
-    assert report.ok, report.error
-    assert ".target sm_90a" in report.ptx
-    assert report.spills in (0, None), f"{name}: {report['spills']} spill bytes"
+    assert_compiled_for_hopper(compile_reports[name], name)

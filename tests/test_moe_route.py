@@ -20,7 +20,7 @@ from qml_kernels.moe_route import (
     moe_route_triton,
 )
 from qml_kernels.workbench import check
-from qml_kernels.workbench.compile import compile_checks_by_name
+from qml_kernels.workbench.compile import assert_compiled_for_hopper
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # the interpreter computes bf16 wrongly without an error: bf16 is checked on the GPU only
@@ -140,14 +140,7 @@ def _variant(T: int) -> dict:
 COMPILE_VARIANTS = {"route-qwen3-30b-a3b-decode": _variant(1), "route-qwen3-30b-a3b-16-tokens": _variant(16)}
 
 
-@pytest.fixture(scope="module")
-def compile_reports() -> dict:
-    return compile_checks_by_name(COMPILE_VARIANTS)
-
-
 @pytest.mark.parametrize("name", COMPILE_VARIANTS)
 def test_compiles_for_hopper(compile_reports, name):
-    report = compile_reports[name]
-    assert report.ok, report.error
-    assert report.spills in (0, None), f"{name}: {report.spills} spill bytes"
+    report = assert_compiled_for_hopper(compile_reports[name], name)
     assert report.registers is None or report.registers <= 255, f"{name}: {report.registers} registers"

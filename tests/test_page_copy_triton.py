@@ -9,7 +9,6 @@ import torch
 from qml_kernels import registry
 from qml_kernels.page_copy import PageCopyConfig, _page_copy_kernel, page_copy_ref, page_copy_triton
 from qml_kernels.workbench import check
-from qml_kernels.workbench.compile import compile_checks_by_name
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # copies move bits: every dtype the pool may hold, compared exactly (the interpreter only loads and
@@ -95,11 +94,6 @@ COMPILE_VARIANTS = {
     "qwen3-moe-pages-wide": _variant(8192, PageCopyConfig(num_programs=64, max_block=4096, num_warps=8)),
     "small-fp32": _variant(96, PageCopyConfig(), "*fp32"),
 }
-
-
-@pytest.fixture(scope="module")
-def compile_reports() -> dict:
-    return compile_checks_by_name(COMPILE_VARIANTS)
 
 
 @pytest.mark.parametrize("name", COMPILE_VARIANTS)

@@ -22,7 +22,7 @@ from qml_kernels.rope import (
     rope_ref,
     rope_triton,
 )
-from qml_kernels.workbench.compile import compile_checks_by_name
+from qml_kernels.workbench.compile import assert_compiled_for_hopper
 from qml_kernels.workbench.spec import Case
 
 # max |out - ref| / max |ref|, ref computed in fp32; fp16 allows one output rounding (2^-11)
@@ -205,18 +205,10 @@ COMPILE_VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def compile_reports() -> dict:
-    return compile_checks_by_name(COMPILE_VARIANTS)
-
-
 @pytest.mark.parametrize("name", COMPILE_VARIANTS)
 def test_compiles_for_hopper(compile_reports, name):
-    report = compile_reports[name]
-    assert report.ok, report.error
-    assert ".target sm_90a" in report.ptx
     # an elementwise kernel: spilling would add local-memory traffic to a memory-bound op
-    assert report.spills in (0, None), f"{name}: {report.spills} spill bytes"
+    report = assert_compiled_for_hopper(compile_reports[name], name)
     assert report.registers is None or report.registers <= 64, f"{name}: {report.registers} registers"
     # q/k move in 16-byte vectors, and the interleaved pair split stays in registers
     assert "ld.global.v4.b32" in report.ptx and "st.global.v4.b32" in report.ptx, f"{name}: no 128-bit accesses"

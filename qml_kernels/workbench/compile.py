@@ -141,6 +141,15 @@ def compile_checks_by_name(requests: dict[str, dict]) -> dict[str, CompileReport
     return dict(zip(requests, compile_checks(list(requests.values()))))
 
 
+def assert_compiled_for_hopper(report: CompileReport, name: str) -> CompileReport:
+    """What every kernel's compile test checks first: it compiled, for sm_90a, without spilling
+    registers (local-memory round trips in a loop that should stay on chip)."""
+    assert report.ok, f"{name}: {report.error}"
+    assert ".target sm_90a" in report.ptx, f"{name}: not compiled for sm_90a"
+    assert report.spills in (0, None), f"{name}: {report.spills} spill bytes ({report.summary()})"
+    return report
+
+
 def compile_check(kernel, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4,
                   num_stages: int = 3, arch: int = 90, aligned: bool = True,
                   divisible: tuple[str, ...] = ()) -> CompileReport:
