@@ -640,6 +640,38 @@ def section_hostturn(args, device) -> None:
     engine.shutdown()
 
 
+def section_gputurn(args, device) -> None:
+    """A short turn over a 27k-token history still in GPU memory (the sessions bench's GPU case,
+    in-process), of 219 and of 150 new tokens (that bench's turn before and after kept replies,
+    qml_server.replies): TTFT of three turns, then the fourth's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = _served_engine(args, device)
+    engine.start()
+    V = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    hist = torch.randint(300, V, (min(27120, engine.context_length // 2),), generator=gen).tolist()
+    _timed_request(engine, hist, one)
+    results = {}
+    for new in (219, 150):
+        times = []
+        for _ in range(3):
+            hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
+            times.append(round(_timed_request(engine, hist, one)[0] * 1e3, 2))
+        hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
+        cuda = device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            wall = _timed_request(engine, hist, one)[0] * 1e3
+        rows = _kernel_rows(prof, cuda)
+        results[str(new)] = {"ttft_ms": times, "profiled_ttft_ms": round(wall, 2),
+                             "gpu_ms": round(sum(r[2] for r in rows), 2),
+                             "top": [{"kernel": k[:90], "calls": c, "ms": round(ms, 3)} for k, c, ms in rows[:12]]}
+        print(f"gpu turn {new}:", json.dumps(results[str(new)]), flush=True)
+    record("gputurn", **results)
+    engine.shutdown()
+
+
 def section_graphprofile(args, device) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -711,7 +743,7 @@ def section_overlap(args, device) -> None:
 SECTIONS = {"overlap": section_overlap, "graphprofile": section_graphprofile,
             "attention": section_attention, "transformers": section_transformers, "engine": section_engine,
             "profile": section_profile, "firstcall": section_firstcall, "prefillprobe": section_prefillprobe,
-            "hostturn": section_hostturn}
+            "hostturn": section_hostturn, "gputurn": section_gputurn}
 
 
 def write(out: Path, stem: str, meta: dict) -> None:

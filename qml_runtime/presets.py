@@ -275,8 +275,13 @@ class ByteTokenizer:
         text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
         return text + ("assistant: " if add_generation_prompt else "")
 
+    def encode_chat(self, text: str, continuation: bool = False) -> list[int]:
+        """Ids of a rendered conversation: BOS, then the bytes; a ``continuation`` (the text after a
+        reply whose ids are kept) is the bytes alone."""
+        return self.encode(text, add_special_tokens=not continuation)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt, **extra), add_special_tokens=True)
+        return self.encode_chat(self.render_chat(messages, add_generation_prompt, **extra))
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size})"

@@ -275,9 +275,11 @@ class Tokenizer:
         """Token ids of the rendered conversation. The template writes its own BOS, so none is added."""
         return self.encode_chat(self.render_chat(messages, add_generation_prompt, **extra))
 
-    def encode_chat(self, text: str) -> list[int]:
-        """Ids of a rendered chat prompt (no BOS added): the pieces between special tokens that an
-        earlier turn already sent come from a cache (qml_runtime.chat_encoding)."""
+    def encode_chat(self, text: str, continuation: bool = False) -> list[int]:
+        """Ids of a rendered chat prompt (no BOS added: the template writes its own, so a
+        ``continuation`` of one, the text after a kept reply, is encoded the same way): the pieces
+        between special tokens that an earlier turn already sent come from a cache
+        (qml_runtime.chat_encoding)."""
         if self._pieces is None:
             self._pieces = PieceEncoder(self.backend)
         return self._pieces.encode(text)

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
+from qml_runtime.kv.disk_store import REPLIES_DIR_NAME
 from qml_server.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from qml_server.auth import ApiKeyMiddleware
 from qml_server.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
@@ -24,6 +25,8 @@ from qml_server.lifecycle import Lifecycle, LifecycleMiddleware, health
 from qml_server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from qml_server.metrics import ServerMetrics, metrics_endpoint
 from qml_server.openapi import openapi_endpoint
+from qml_server.replies import ReplyMemory
+from qml_server.replies_store import ReplyStore
 from qml_server.routes_chat import chat_completions
 from qml_server.routes_completions import completions
 from qml_server.routes_models import list_models, retrieve_model
@@ -38,6 +41,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS,
     start_in_background: bool = False,
+    keep_replies: bool = True,
 ) -> Starlette:
     """Build the OpenAI-compatible app serving ``engine``.
 
@@ -51,8 +55,9 @@ def create_app(
     `qml serve` answer probes while it captures CUDA graphs. With ``api_keys`` non-empty,
     /v1/*, /tokenize and /detokenize require one of them as a bearer token.
     ``max_queued_requests`` bounds the requests waiting in the engine (None: unbounded);
-    past it, 503 + Retry-After. ``app.state.lifecycle`` (qml_server.lifecycle) is what
-    /health reports and what a graceful shutdown drains.
+    past it, 503 + Retry-After. ``keep_replies``: a chat reply's generated ids are kept and reused when
+    the client sends the reply back as history (``qml_server.replies``). ``app.state.lifecycle``
+    (qml_server.lifecycle) is what /health reports and what a graceful shutdown drains.
     """
     keys = tuple(k for k in api_keys if k)
     if max_body_bytes < 1:
@@ -116,6 +121,9 @@ def create_app(
                     await starting
             log.info("shutting down the engine")
             await _maybe_await(engine.shutdown())
+            replies = app.state.replies
+            if replies is not None and replies.store is not None:  # the last kept replies reach the disk
+                await anyio.to_thread.run_sync(replies.store.flush)
             lifecycle.stop()
 
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=exception_handlers, lifespan=lifespan)
@@ -126,7 +134,17 @@ def create_app(
     app.state.admission = admission
     app.state.lifecycle = lifecycle
     app.state.openapi = None  # built on the first GET /openapi.json
+    app.state.replies = _reply_memory(engine) if keep_replies else None
     return app
+
+
+def _reply_memory(engine: Any) -> ReplyMemory:
+    """Kept replies, on disk beside the KV disk tier when the engine has one (they outlive a restart as
+    the KV does), else in memory only."""
+    disk = getattr(getattr(engine, "tiers", None), "disk", None)
+    if disk is None:
+        return ReplyMemory()
+    return ReplyMemory(store=ReplyStore(disk.dir / REPLIES_DIR_NAME))
 
 
 async def _start_in_background(engine: Any, lifecycle: Lifecycle) -> None:

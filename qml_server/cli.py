@@ -132,6 +132,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
          help="KV cache size in GiB (default: 1 on CPU, 85%% of free memory on GPU)")
     flag("--no-prefix-caching", action="store_true",
          help="compute every prompt in full: no reuse of KV pages across requests, and no KV tiers")
+    flag("--retokenize-replies", action="store_true",
+         help="encode a conversation's earlier replies from their text, as sent back (by default a reply the "
+              "server generated keeps its generated token ids, so its KV is reused in the next turn)")
     flag("--kv-host-gib", type=non_negative_float,
          help="host-RAM tier for KV pages pushed off the GPU (default: a quarter of RAM up to 64 on GPU, 0 on CPU)")
     flag("--kv-disk-dir", help="directory of the disk KV tier, which survives restarts (default: no disk tier)")
@@ -262,7 +265,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     # Started in the background: /health says "loading" while the engine warms up.
     app = create_app(engine, api_keys=api_keys, max_body_bytes=args.max_body_bytes,
-                     max_queued_requests=args.max_queued_requests, start_in_background=True)
+                     max_queued_requests=args.max_queued_requests, start_in_background=True,
+                     keep_replies=not args.retokenize_replies)
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info(
         "serving %s on http://%s:%d/v1 (API key %s, body limit %d bytes)",

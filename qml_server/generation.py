@@ -20,6 +20,7 @@ from starlette.requests import Request
 
 from qml_runtime.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from qml_server.errors import log_internal_error
+from qml_server.replies import ReplyMemory
 from qml_server.sse import SSE_DONE, cancel_on_disconnect, close_quietly, sse_event
 
 log = logging.getLogger("qml.server")
@@ -148,9 +149,18 @@ async def _anext(source: AsyncIterator[RequestOutput]) -> RequestOutput | None:
         return None
 
 
+def request_tenant(request: Request, cache_salt: str | None = None) -> str | None:
+    """Whose KV (and kept replies) a request may reuse: the authenticated key's tenant, narrowed by the
+    request's own cache_salt (within its tenant, never across). None: the one tenant of a keyless server."""
+    tenant = getattr(request.state, "tenant", None)
+    if cache_salt:
+        tenant = f"{tenant or ''}\x00{cache_salt}"
+    return tenant
+
+
 def start_generation(
     request: Request, prompt_ids: list[int], params: SamplingParams, request_id: str, started: float,
-    cache_salt: str | None = None, user: str | None = None, n: int = 1,
+    cache_salt: str | None = None, user: str | None = None, n: int = 1, prompt_text: str | None = None,
 ) -> list[EngineStream]:
     """Admit the request (503 when the engine's queue is full) and open its engine streams, one per
     choice: choice i samples with ``params.for_choice(i)`` (its own seed stream) and follows choice 0,
@@ -158,25 +168,56 @@ def start_generation(
 
     The streams are measured for /metrics from ``started``, the ``time.monotonic()`` at
     which the request reached the handler (the request's latencies from choice 0). Nothing
-    reaches the engine until a stream is first advanced.
+    reaches the engine until a stream is first advanced. With ``prompt_text`` (a rendered chat
+    prompt) each finished choice's reply is kept in the app's ``ReplyMemory``, if it has one.
     """
     state = request.app.state
     state.admission.check()
-    # the authenticated key's tenant salts the KV cache: tenants never reuse each other's pages;
-    # a request's own cache_salt narrows that further (within its tenant, never across)
-    tenant = getattr(request.state, "tenant", None)
-    if cache_salt:
-        tenant = f"{tenant or ''}\x00{cache_salt}"
+    # the tenant salts the KV cache: tenants never reuse each other's pages
+    tenant = request_tenant(request, cache_salt)
     # a conversation that names itself (x-session-id, or OpenAI's `user`) keeps its KV longest
     session = request.headers.get("x-session-id") or user
+    replies = getattr(state, "replies", None) if prompt_text is not None else None
     streams = []
     for i in range(n):
         choice_id = request_id if n == 1 else f"{request_id}-{i}"
         follow = None if i == 0 else f"{request_id}-0"
         stream = state.engine.generate(prompt_ids, params.for_choice(i), choice_id, tenant=tenant, session=session,
                                        follow=follow)
+        if replies is not None:
+            stream = _keeping_reply(stream, replies, state.engine.tokenizer, tenant or "", prompt_text, prompt_ids)
         streams.append(state.metrics.track(stream, started, primary=i == 0))
     return streams
+
+
+async def _keeping_reply(stream: EngineStream, replies: ReplyMemory, tokenizer: Any, tenant: str, prompt_text: str,
+                         prompt_ids: list[int]) -> EngineStream:
+    """``stream`` passed through; a reply that finishes (not aborted) is kept with its prompt: its text with
+    the ids that decode to exactly that text."""
+    parts: list[str] = []
+    ids: list[int] = []
+    async with aclosing(stream):
+        async for out in stream:
+            parts.append(out.text)
+            ids.extend(out.token_ids)
+            if out.finish_reason in ("stop", "length") and ids:
+                text = "".join(parts)
+                kept = _ids_of_text(tokenizer, ids, text)
+                if kept:
+                    replies.remember(tenant, prompt_text + text, prompt_ids + kept)
+            yield out
+
+
+def _ids_of_text(tokenizer: Any, ids: list[int], text: str, most_dropped: int = 4) -> list[int] | None:
+    """The shortest head of ``ids`` (at most a few ids short) that decodes to exactly ``text``: without a
+    trailing EOS (counted among the ids, but it writes no text, and the template writes its own end of
+    turn after the reply), or the bytes of a character cut off by the reply's end, which the text leaves
+    out, or the tokens of a stop string. None when no head does (a stop string that began inside a token)."""
+    for k in range(max(0, len(ids) - most_dropped), len(ids) + 1):
+        # as the engine's detokenizer writes replies: special tokens (a stray BOS) leave no text
+        if tokenizer.decode(ids[:k], skip_special_tokens=True) == text:
+            return ids[:k]
+    return None
 
 
 def usage(outs: list[RequestOutput]) -> dict[str, Any]:

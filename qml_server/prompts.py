@@ -7,32 +7,47 @@ these is what makes /tokenize's count the ``prompt_tokens`` a generation would r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from qml_server.errors import bad_request
+from qml_server.replies import ReplyMemory
 from qml_server.schemas import check_token_ids
 from qml_server.tools import ToolUse, prompt_messages
 
 
-def chat_prompt_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, template_kwargs: dict[str, Any]
-) -> list[int]:
-    kwargs = {"add_generation_prompt": add_generation_prompt, **template_kwargs}
+@dataclass
+class ChatPrompt:
+    """A rendered chat prompt: its ids, and its text when the tokenizer renders apart from encoding
+    (what ``ReplyMemory`` keys on; None for a tokenizer that only offers ``apply_chat_template``)."""
+
+    ids: list[int]
+    text: str | None = None
+    reused_tokens: int = 0  # leading ids taken from a kept reply instead of encoded
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolUse | None, add_generation_prompt: bool,
+                template_kwargs: dict[str, Any], replies: ReplyMemory | None = None,
+                tenant: str = "") -> ChatPrompt:
+    """The request's conversation through the chat template (with its tools: given to a template that
+    writes them, else put in a system turn, ``qml_server.tools.prompt_messages``), then encoded; with
+    ``replies``, a history that starts with a kept reply reuses the ids the model generated for it."""
+    template = getattr(tokenizer, "chat_template", None)
+    messages, extra = prompt_messages(messages, tools, bool(getattr(template, "writes_tools", False)))
+    kwargs = {"add_generation_prompt": add_generation_prompt, **template_kwargs, **extra}
     try:
-        return list(tokenizer.apply_chat_template(messages, **kwargs))
+        if not (hasattr(tokenizer, "render_chat") and hasattr(tokenizer, "encode_chat")):
+            return ChatPrompt(list(tokenizer.apply_chat_template(messages, **kwargs)))
+        text = tokenizer.render_chat(messages, **kwargs)
     except ValueError as exc:
         # ChatTemplateError (a ValueError): the conversation does not fit the model's
         # template, e.g. roles out of the order it insists on. The client's to fix.
         raise bad_request(f"The chat template rejected the messages: {exc}", param="messages") from None
-
-
-def chat_prompt_ids_with_tools(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolUse | None,
-                               add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> list[int]:
-    """``chat_prompt_ids`` with the request's tools: given to a template that writes them, else put in a
-    system turn (``qml_server.tools.prompt_messages``)."""
-    template = getattr(tokenizer, "chat_template", None)
-    messages, extra = prompt_messages(messages, tools, bool(getattr(template, "writes_tools", False)))
-    return chat_prompt_ids(tokenizer, messages, add_generation_prompt, {**template_kwargs, **extra})
+    kept = replies.longest_prefix(tenant, text) if replies is not None else None
+    if kept is None:
+        return ChatPrompt(list(tokenizer.encode_chat(text)), text)
+    chars, ids = kept
+    return ChatPrompt(ids + list(tokenizer.encode_chat(text[chars:], continuation=True)), text, len(ids))
 
 
 def text_prompt_ids(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:

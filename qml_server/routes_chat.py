@@ -16,12 +16,14 @@ from qml_server.generation import (
     collect,
     first_outputs,
     log_request,
+    request_tenant,
     sse_completion_events,
     start_generation,
     usage,
 )
 from qml_server.logprobs import TokenText, chat_logprobs
-from qml_server.prompts import chat_prompt_ids_with_tools
+from qml_server.prompts import ChatPrompt, chat_prompt
+from qml_server.replies import ReplyMemory
 from qml_server.schemas import ChatRequest, check_model, check_token_ids, parse_chat_request, resolve_max_tokens
 from qml_server.sse import EventStreamResponse
 from qml_server.tools import ToolCallStream, parse_tool_calls
@@ -37,7 +39,10 @@ async def chat_completions(request: Request) -> Response:
                     "logit_bias")
     # Templates and tokenizers are CPU work that can take a while on long histories;
     # keep it off the event loop so other streams keep flowing.
-    prompt_ids = await run_in_threadpool(_render_prompt, engine.tokenizer, req)
+    replies = getattr(request.app.state, "replies", None)
+    prompt = await run_in_threadpool(_render_prompt, engine.tokenizer, req, replies,
+                                     request_tenant(request, req.cache_salt) or "")
+    prompt_ids = prompt.ids
     max_tokens = resolve_max_tokens(req.sampling.max_tokens, len(prompt_ids), engine.context_length, "messages")
     params = req.sampling.to_params(max_tokens)
 
@@ -45,7 +50,7 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     log_request(request_id, len(prompt_ids), params, req.stream)
     streams = start_generation(request, prompt_ids, params, request_id, started, req.cache_salt, req.user,
-                               req.sampling.n)
+                               req.sampling.n, prompt.text)
     texts = TokenText(engine.tokenizer)
 
     if req.stream:
@@ -106,11 +111,11 @@ def _message(req: ChatRequest, text: str, finish_reason: str) -> tuple[dict[str,
     return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
-def _render_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:
-    ids = chat_prompt_ids_with_tools(tokenizer, req.messages, req.tools, True, req.chat_template_kwargs)
-    if not ids:
+def _render_prompt(tokenizer: Any, req: ChatRequest, replies: ReplyMemory | None, tenant: str) -> ChatPrompt:
+    prompt = chat_prompt(tokenizer, req.messages, req.tools, True, req.chat_template_kwargs, replies, tenant)
+    if not prompt.ids:
         raise bad_request("The rendered prompt is empty", param="messages")
-    return ids
+    return prompt
 
 
 def _delta(index: int, delta: dict[str, Any], finish_reason: str | None = None,

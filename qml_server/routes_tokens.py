@@ -14,7 +14,9 @@ from starlette.responses import JSONResponse, Response
 
 from qml_server.errors import api_endpoint
 from qml_server.fields import read_json_object
-from qml_server.prompts import chat_prompt_ids_with_tools, text_prompt_ids
+from qml_server.generation import request_tenant
+from qml_server.prompts import chat_prompt, text_prompt_ids
+from qml_server.replies import ReplyMemory
 from qml_server.schemas import TokenizeRequest, check_model, parse_detokenize_request, parse_tokenize_request
 
 
@@ -24,7 +26,8 @@ async def tokenize(request: Request) -> Response:
     req = parse_tokenize_request(await read_json_object(request))
     check_model(req.model, engine.model_id)
     # A long text or history is CPU work: off the event loop, as in the chat route.
-    ids = await run_in_threadpool(_token_ids, engine.tokenizer, req)
+    ids = await run_in_threadpool(_token_ids, engine.tokenizer, req, getattr(request.app.state, "replies", None),
+                                  request_tenant(request) or "")
     return JSONResponse({"count": len(ids), "max_model_len": engine.context_length, "tokens": ids})
 
 
@@ -38,9 +41,9 @@ async def detokenize(request: Request) -> Response:
     return JSONResponse({"prompt": text})
 
 
-def _token_ids(tokenizer, req: TokenizeRequest) -> list[int]:
-    if req.messages is not None:
-        return chat_prompt_ids_with_tools(tokenizer, req.messages, req.tools, req.add_generation_prompt,
-                                          req.chat_template_kwargs)
+def _token_ids(tokenizer, req: TokenizeRequest, replies: ReplyMemory | None, tenant: str) -> list[int]:
+    if req.messages is not None:  # with the kept replies of the tenant, as the chat route encodes them
+        return chat_prompt(tokenizer, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs,
+                           replies, tenant).ids
     assert req.prompt is not None
     return text_prompt_ids(tokenizer, req.prompt, req.add_special_tokens)

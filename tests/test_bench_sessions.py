@@ -35,7 +35,9 @@ def test_sessions_history_stays_on_the_gpu(server, tmp_path, capsys):
     assert len(turns) == 6 and len({r["user"] for r in turns}) == 2
     for r in turns:
         assert r["completion_tokens"] == 8 and r["ttft_ms"] > 0 and r["fresh_ttft_ms"] > 0
-        assert r["fresh_cached_tokens"] == 0 and r["fresh_prompt_tokens"] == r["prompt_tokens"]
+        # the fresh prompt (another cache_salt, so another tenant) encodes the replies from their text; the
+        # conversation's own turns reuse their generated ids (qml_server.replies): a few ids apart
+        assert r["fresh_cached_tokens"] == 0 and abs(r["fresh_prompt_tokens"] - r["prompt_tokens"]) <= 8
         assert r["restored_blocks"] == {"host": 0, "disk": 0} and r["recomputed_disk_blocks"] == 0
         if r["turn"] == 1:
             assert r["cached_tokens"] == 0 and r["where"] == "new"

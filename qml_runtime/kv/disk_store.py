@@ -73,7 +73,9 @@ _TEMP = re.compile(r"\.[0-9a-f]{64}\.\d+-\d+\.tmp")
 _LOCK_NAME = ".lock"
 # the restore planner's measured rates (qml_runtime.kv.tiers), kept beside the blocks; with its temp file
 RATES_NAME = "planner-rates.json"
-_SIDE_NAMES = frozenset((_LOCK_NAME, RATES_NAME, RATES_NAME + ".tmp"))
+# the server keeps its replies' generated ids beside the blocks (qml_server.replies_store)
+REPLIES_DIR_NAME = "replies"
+_SIDE_NAMES = frozenset((_LOCK_NAME, RATES_NAME, RATES_NAME + ".tmp", REPLIES_DIR_NAME))
 
 Bytes = torch.Tensor | bytes | bytearray | memoryview
 
