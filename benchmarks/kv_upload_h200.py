@@ -149,13 +149,14 @@ def upload_section(results: dict) -> None:
     results["upload"] = rows
 
 
-def turn_attention_section(results: dict) -> None:
-    """219 new queries over a 27,339-token context, Llama-3.1-8B heads, one layer."""
+def turn_attention_section(results: dict, n_q: int = 219) -> None:
+    """``n_q`` new queries (219; 150 with kept replies) over a 27,339-token context, Llama-3.1-8B heads,
+    one layer."""
     from triton.testing import do_bench
 
     dev = torch.device("cuda")
     H, Hkv, Dh, S = 32, 8, 128, 16
-    n_q, L = 219, 27339
+    L = 27339
     pages = -(-L // S)
     g = torch.Generator(device=dev).manual_seed(2)
     kc = torch.randn(pages + 8, S, Hkv, Dh, device=dev, dtype=torch.bfloat16, generator=g)
@@ -167,10 +168,12 @@ def turn_attention_section(results: dict) -> None:
     flops = 4 * n_q * L * H * Dh
     base = paged_prefill_attention_triton(q, kc, vc, meta, scale).float()
     rows = []
-    for block_m in (64, 128):
+    for block_m in (64, 128, 256):
         for block_n in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3, 4):
+            for warps in (4, 8, 16):
+                for stages in (2, 3):
+                    if block_m == 256 and warps == 4 or block_n == 32 and block_m != 64:
+                        continue
                     config = PagedPrefillAttentionConfig(block_m=block_m, block_n=block_n, num_warps=warps,
                                                          num_stages=stages)
                     try:
@@ -201,7 +204,7 @@ def turn_attention_section(results: dict) -> None:
         except Exception as exc:
             rows.append({"cudnn_splits": s, "error": repr(exc)[:200]})
         print(rows[-1], flush=True)
-    results["turn_attention"] = rows
+    results[f"turn_attention_{n_q}"] = rows
 
 
 def restore_section(results: dict, preset: str = "llama-3.1-8b", device: str = "cuda") -> None:
@@ -270,6 +273,7 @@ def main() -> int:
     parser.add_argument("--sections", default="upload,restore,attention")
     parser.add_argument("--preset", default="llama-3.1-8b", help="restore section's model")
     parser.add_argument("--device", default="cuda", help="restore section's device (cpu: a dry run)")
+    parser.add_argument("--queries", type=int, default=219, help="attention section's new queries")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import triton
@@ -279,8 +283,10 @@ def main() -> int:
         try:
             if name == "restore":
                 restore_section(results, args.preset, args.device)
+            elif name == "attention":
+                turn_attention_section(results, args.queries)
             else:
-                {"upload": upload_section, "attention": turn_attention_section}[name](results)
+                upload_section(results)
         except Exception as exc:
             results[f"{name}_error"] = repr(exc)[:500]
             print(name, "failed:", repr(exc), flush=True)
