@@ -92,14 +92,16 @@ def test_only_few_tokens_are_fused():
 
 
 def test_moe_forward_takes_the_fused_path_when_switched_on(monkeypatch):
-    """``QML_FUSED_MOE_ROUTE``: moe_forward routes through ``moe_route`` (forced to Triton here, so
-    the interpreter runs it on CPU) and gives the same output as the two-op path."""
+    """``QML_FUSED_MOE_ROUTE`` (on by default): moe_forward routes through ``moe_route`` (forced to Triton
+    here, so the interpreter runs it on CPU) and gives the same output as the two-op path (switched off)."""
     gen = torch.Generator().manual_seed(3)
     T, E, k, D, inner = 2, 16, 4, 32, 24
-    x = torch.randn(T, D, generator=gen)
-    logits = torch.randn(T, E, generator=gen)
-    w_gate_up = torch.randn(E, 2 * inner, D, generator=gen) * D**-0.5
-    w_down = torch.randn(E, D, inner, generator=gen) * inner**-0.5
+    # on the device: the Triton kernel takes its tensors (on the H200 a CPU tensor is refused)
+    x = torch.randn(T, D, generator=gen).to(DEVICE)
+    logits = torch.randn(T, E, generator=gen).to(DEVICE)
+    w_gate_up = (torch.randn(E, 2 * inner, D, generator=gen) * D**-0.5).to(DEVICE)
+    w_down = (torch.randn(E, D, inner, generator=gen) * inner**-0.5).to(DEVICE)
+    monkeypatch.setattr(moe_route, "FUSED_MOE_ROUTE", False)
     want = moe_gemm.moe_forward(x, logits, w_gate_up, w_down, k, True)
     calls = []
     real = moe_route.moe_route_triton
