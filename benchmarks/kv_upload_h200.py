@@ -207,6 +207,36 @@ def turn_attention_section(results: dict, n_q: int = 219) -> None:
     results[f"turn_attention_{n_q}"] = rows
 
 
+def turn_attention_rule_section(results: dict) -> None:
+    """The split-KV launch's warps and key step across turn sizes (new queries over 27,339 keys,
+    Llama-3.1-8B heads, one layer): the default (128 keys a step, 8 warps) against 64 keys with 4
+    warps, whose programs are small enough for two per SM (so also with 264 programs at once)."""
+    from triton.testing import do_bench
+
+    dev = torch.device("cuda")
+    H, Hkv, Dh, S, L = 32, 8, 128, 16, 27339
+    pages = -(-L // S)
+    g = torch.Generator(device=dev).manual_seed(3)
+    kc = torch.randn(pages + 8, S, Hkv, Dh, device=dev, dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(pages + 8, S, Hkv, Dh, device=dev, dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(pages + 8, device=dev, generator=g)[:pages].tolist()
+    configs = {"default": PagedPrefillAttentionConfig(),
+               "n64_w4": PagedPrefillAttentionConfig(block_n=64, num_warps=4),
+               "n64_w4_264": PagedPrefillAttentionConfig(block_n=64, num_warps=4, concurrent_programs=264)}
+    rows = []
+    for n_q in (64, 100, 133, 150, 180, 219, 256, 300, 400):
+        q = torch.randn(n_q, H, Dh, device=dev, dtype=torch.bfloat16, generator=g)
+        meta = AttentionMetadata.build([0] * n_q, [table], [0, n_q], [L], dev)
+        row = {"queries": n_q}
+        for name, config in configs.items():
+            ms = do_bench(lambda: paged_prefill_attention_triton(q, kc, vc, meta, Dh**-0.5, config=config),
+                          warmup=5, rep=40)
+            row[name] = round(ms * 1e3, 1)
+        rows.append(row)
+        print(row, flush=True)
+    results["turn_attention_rule"] = rows
+
+
 def restore_section(results: dict, preset: str = "llama-3.1-8b", device: str = "cuda") -> None:
     """A conversation pushed off the GPU into host RAM and resumed, Llama-3.1-8B shapes (random
     weights): the pages restored layer by layer (zero copy, the prefill waiting per layer) must give
@@ -283,6 +313,8 @@ def main() -> int:
         try:
             if name == "restore":
                 restore_section(results, args.preset, args.device)
+            elif name == "attention-rule":
+                turn_attention_rule_section(results)
             elif name == "attention":
                 turn_attention_section(results, args.queries)
             else:
