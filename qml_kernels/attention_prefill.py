@@ -53,13 +53,16 @@ chosen on the host (``prefill_num_splits``) from host values only (the tiles fro
 window), never from device tensors, so a launch captured in a CUDA graph stays valid while the
 real lengths change on the device: each program finds its run of the band on the device, and any
 split count is correct for any lengths. The choice models time in key steps of one program: with
-one program resident per SM (~220 registers x 8 warps), ``ceil(programs * s / 132)`` waves of
-``band / s`` keys each, plus the merge (about one key step per program and split for the
+one program of 8 warps resident per SM (~220 registers a thread) for the direct launch, and two of
+4 warps for the split launch (64 keys a step, up to Dh 128), ``ceil(programs * s / concurrent)``
+waves of ``band / s`` keys each, plus the merge (about one key step per program and split for the
 workspace, and a fixed launch cost), and keeps the cheapest s. Measured on the H200 (bf16,
 Llama-3.1-8B, one layer, the automatic choice in brackets, the best forced count within 3%):
 216 over 28,000 keys 825 -> 371 us (7 splits), 133 over 8,000 241 -> 103 us (3), 64 over 16,000
 501 -> 82 us (8); 512 and 1024 over 32k fill one and two waves and keep one split (a forced
-second split gains 4-6%). Fresh prompts (short bands, or tiles that fill a wave: splitting a
+second split gains 4-6%). (Those were measured with the split launch at 8 warps and 128 keys a step;
+its 4-warp form took 100-400 new queries over 27,339 keys 7-14% lower, e.g. 219: 311 -> 287 us.)
+Fresh prompts (short bands, or tiles that fill a wave: splitting a
 512-token one took it from ~30 to ~55 us) and big mixed batches run with one split: no workspace,
 no merge launch, the output written directly as before.
 
@@ -107,6 +110,11 @@ class PagedPrefillAttentionConfig:
     # the merge's launch and the split kernel's tail, in key steps of one program (~30 ns each at
     # Dh 128 on the H200, the whole GPU busy): ~15 us, fitted to the measured split counts
     merge_overhead_keys: int = 500
+    # warps of the split-KV launch; None: 4 up to Dh 128 (64 keys a step, two programs per SM), else
+    # num_warps. Against 8 warps and 128 keys, over 27,339 keys (Llama-3.1-8B heads, one layer, H200):
+    # 100-400 new queries 7-14% faster (150: 212 vs 242 us; 219: 287 vs 311), 64 queries 10% slower
+    # (120 vs 110 us); kv-upload-h200-attention-rule-2026-12-01.json
+    split_num_warps: int | None = None
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -115,27 +123,37 @@ class PagedPrefillAttentionConfig:
                 raise ValueError(f"PagedPrefillAttentionConfig.{name} must be a power of 2 >= 16 (tl.dot), got {value}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"PagedPrefillAttentionConfig.num_splits must be >= 1, got {self.num_splits}")
-        if min(self.max_splits, self.min_keys_per_split, self.concurrent_programs) < 1 or self.merge_overhead_keys < 0:
-            raise ValueError("PagedPrefillAttentionConfig: max_splits, min_keys_per_split and concurrent_programs "
-                             "must be >= 1, merge_overhead_keys >= 0")
+        warps = 1 if self.split_num_warps is None else self.split_num_warps
+        if min(self.max_splits, self.min_keys_per_split, self.concurrent_programs, warps) < 1 \
+                or self.merge_overhead_keys < 0:
+            raise ValueError("PagedPrefillAttentionConfig: max_splits, min_keys_per_split, concurrent_programs and "
+                             "split_num_warps must be >= 1, merge_overhead_keys >= 0")
+
+    def split_warps(self, head_dim: int) -> int:
+        """Warps of the split-KV launch."""
+        return self.split_num_warps or (4 if head_dim <= 128 else self.num_warps)
+
+    def split_concurrent_programs(self, head_dim: int) -> int:
+        """Split-KV programs running at once: fewer warps a program leave room for more per SM."""
+        return self.concurrent_programs * max(1, self.num_warps // self.split_warps(head_dim))
 
     def tiles(self, head_dim: int, group: int, split: bool = False) -> tuple[int, int]:
         """(BLOCK_M, BLOCK_N) for this head dim; BLOCK_M holds at least one token's query heads.
-        ``split``: the split-KV launch (a short chunk over a long band), which takes 128 keys a step
-        up to Dh 128: 312 against 369 us for the 219-query turn over 27,339 keys of Llama-3.1-8B
-        on the H200 (kv-upload-h200-2026-11-30.md; the sweep's best of 36 configs)."""
+        ``split``: the split-KV launch (a short chunk over a long band), with 64 keys a step and 4
+        warps up to Dh 128 (``split_warps``; kv-upload-h200-attention-rule-2026-12-01.json)."""
         # the fp32 accumulator is BLOCK_M x Dh: 128 rows up to Dh 128, 64 rows at Dh 256 keep it
         # (and the Q tile) within the register file of 8 warps without spills
         block_m = self.block_m or (128 if head_dim <= 128 else 64)
-        block_n = self.block_n or (32 if head_dim > 128 else 128 if split else 64)
+        block_n = self.block_n or (32 if head_dim > 128 else 64)
         return max(block_m, triton.next_power_of_2(group)), block_n
 
 
-def prefill_num_splits(programs: int, max_band: int, config: PagedPrefillAttentionConfig) -> int:
+def prefill_num_splits(programs: int, max_band: int, config: PagedPrefillAttentionConfig, head_dim: int = 128) -> int:
     """Splits of each tile's keys, from host values only: ``programs`` is the (tile, KV head) pairs
     that hold queries, ``max_band`` the most keys one tile sees.
 
-    Time in key steps of one program: ``ceil(programs * s / concurrent_programs)`` waves of
+    Time in key steps of one program: ``ceil(programs * s / concurrent)`` waves (``concurrent``: the
+    config's ``concurrent_programs`` for s = 1, ``split_concurrent_programs(head_dim)`` above) of
     ``max_band / s`` keys, plus for s > 1 the merge: its fixed cost, and the workspace, whose
     ``BLOCK_M x Dh`` fp32 per program and split (written, then read) takes about as long at the
     card's bandwidth as one key step of the programs (4 BLOCK_M Dh FLOPs each) takes at its
@@ -145,13 +163,21 @@ def prefill_num_splits(programs: int, max_band: int, config: PagedPrefillAttenti
         return config.num_splits
     programs = max(1, programs)
 
-    def cost(splits: int) -> int:
-        waves = -(-programs * splits // config.concurrent_programs)
+    def cost(splits: int, concurrent: int) -> int:
+        waves = -(-programs * splits // concurrent)
         merge = 0 if splits == 1 else config.merge_overhead_keys + programs * splits
         return waves * -(-max_band // splits) + merge
 
     most = max(1, min(config.max_splits, max_band // config.min_keys_per_split))
-    return min(range(1, most + 1), key=cost)
+    # whether to split at all: as if the split programs were the direct launch's, one per SM. Two
+    # 4-warp programs sharing an SM each run at about half speed, so counting both as "at once"
+    # would split fresh prompts whose tiles fill the GPU already (a 2,048-token one: 2 splits).
+    if min(range(1, most + 1), key=lambda s: cost(s, config.concurrent_programs)) == 1:
+        return 1
+    # how many: the split launch's programs at once, as measured best (kv-upload-h200-attention-rule:
+    # 219 queries over 27,339 keys 345 us at the count of one per SM, 287 at two per SM)
+    concurrent = config.split_concurrent_programs(head_dim)
+    return min(range(2, most + 1), key=lambda s: cost(s, concurrent))
 
 
 @triton.jit
@@ -393,7 +419,7 @@ def paged_prefill_attention_triton(
     max_len = max(meta.context_lens_host)
     # a tile's band: its first query's keys (at most W with a window) up to its last query
     max_band = max_len if sliding_window is None else min(max_len, sliding_window + tile_tokens - 1)
-    splits = prefill_num_splits(busy_tiles * Hkv, max_band, config)
+    splits = prefill_num_splits(busy_tiles * Hkv, max_band, config, Dh)
     constexprs = _constexprs(H, Hkv, Dh, S, q.dtype, sliding_window is not None, sinks is not None,
                              softcap is not None, config, direct=splits == 1)
     if softcap is None:
@@ -416,7 +442,8 @@ def paged_prefill_attention_triton(
         B, H, splits, pre_scale, post_scale, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-        **constexprs, num_warps=config.num_warps, num_stages=config.num_stages,
+        **constexprs, num_warps=config.num_warps if splits == 1 else config.split_warps(Dh),
+        num_stages=config.num_stages,
     )
     if splits > 1:
         # decode's merge: its workspace layout [rows, H, splits, Dh] is this one with rows = tokens

@@ -203,19 +203,29 @@ def test_chunked_prefill_with_splits_equals_one_prefill():
 # -- the host's split choice -------------------------------------------------------------------
 
 @pytest.mark.parametrize("programs,band,expected", [
-    (56, 28000, 7),  # Llama-3.1-8B, 216 new tokens over 28k: 392 programs in 3 waves (measured best)
-    (40, 8000, 3),  # 133 over 8k: one full wave
-    (16, 16000, 8),  # 64 over 16k: one wave of 128
+    # Llama-3.1-8B, 219 new tokens over 27k: split (7 at one program per SM), then counted at two 4-warp
+    # programs per SM: 9 splits, 504 programs (287 us on the H200 against 345 at 7)
+    (56, 28000, 9),
+    (40, 8000, 6),  # 133 over 8k
+    (16, 16000, 16),  # 64 over 16k
     (128, 32768, 1),  # 512 over 32k: one wave already; a split would add a second
     (256, 32000, 1),  # 1024 over 32k: two full waves
     (128, 512, 1),  # a fresh 512-token prompt: the merge costs more than the band
-    (512, 2048, 1),  # a fresh 2048-token prompt
+    (512, 2048, 1),  # a fresh 2048-token prompt: its tiles fill the GPU (counted at two per SM it would split)
     (16, 143, 1),  # gpt-oss sliding layer (window 128): too few keys to split
-    (8, 32768, 16),  # one query token over 32k (a lone decode row through this kernel)
+    (8, 32768, 32),  # one query token over 32k (a lone decode row through this kernel)
     (1, 10 ** 6, 32),  # capped at max_splits
 ])
 def test_split_choice(programs, band, expected):
     assert prefill_num_splits(programs, band, PagedPrefillAttentionConfig()) == expected
+
+
+def test_split_launch_warps_follow_the_head_dim():
+    config = PagedPrefillAttentionConfig()
+    assert config.split_warps(128) == 4 and config.split_concurrent_programs(128) == 2 * config.concurrent_programs
+    assert config.split_warps(256) == 8 and config.split_concurrent_programs(256) == config.concurrent_programs
+    fixed = PagedPrefillAttentionConfig(split_num_warps=8)
+    assert fixed.split_warps(128) == 8 and prefill_num_splits(56, 28000, fixed) == 7  # the 8-warp launch's count
 
 
 def test_split_choice_can_be_fixed_and_bounded():
@@ -227,7 +237,7 @@ def test_split_choice_can_be_fixed_and_bounded():
 
 def test_config_rejects_bad_split_values():
     for bad in ({"num_splits": 0}, {"max_splits": 0}, {"min_keys_per_split": 0}, {"concurrent_programs": 0},
-                {"merge_overhead_keys": -1}):
+                {"merge_overhead_keys": -1}, {"split_num_warps": 0}):
         with pytest.raises(ValueError):
             PagedPrefillAttentionConfig(**bad)
 
