@@ -135,6 +135,8 @@ def create_app(
     app.state.lifecycle = lifecycle
     app.state.openapi = None  # built on the first GET /openapi.json
     app.state.replies = _reply_memory(engine) if keep_replies else None
+    if app.state.replies is not None:
+        metrics.watch_replies(app.state.replies)
     return app
 
 

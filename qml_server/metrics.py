@@ -109,6 +109,10 @@ class ServerMetrics:
         if engine_stats is not None:
             self.registry.register(_EngineCollector(model_name, engine_stats))
 
+    def watch_replies(self, replies: Any) -> None:
+        """Export a ``qml_server.replies.ReplyMemory``'s counts at each scrape."""
+        self.registry.register(_RepliesCollector(self.model_name, replies))
+
     def observe_queue_time(self, seconds: float) -> None:
         """The engine's hook (called on its thread; prometheus_client is thread-safe)."""
         self.request_queue_time.observe(max(0.0, seconds))
@@ -219,6 +223,29 @@ class _EngineCollector(Collector):
                            "kv_recomputed_blocks")
         yield from counter("qml:kv_restore_seconds", "Time spent copying KV pages back to the GPU.",
                            "kv_restore_seconds")
+
+
+class _RepliesCollector(Collector):
+    """Kept replies (qml_server.replies): what is held, and how often a chat prompt reused one."""
+
+    def __init__(self, model_name: str, replies: Any):
+        self.model_name = model_name
+        self.replies = replies
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.replies.stats()
+        for name, doc, key, family_type in (
+            ("qml:kept_replies", "Conversations whose replies' generated ids are kept.", "entries", GaugeMetricFamily),
+            ("qml:kept_reply_tokens", "Token ids held by the kept replies.", "tokens", GaugeMetricFamily),
+            ("qml:kept_reply_hits", "Chat prompts that reused a kept reply's ids.", "hits", CounterMetricFamily),
+            ("qml:kept_reply_misses", "Chat prompts that found no kept reply to reuse.", "misses",
+             CounterMetricFamily),
+            ("qml:kept_reply_reused_tokens", "Prompt tokens taken from kept replies instead of encoded.",
+             "reused_tokens", CounterMetricFamily),
+        ):
+            family = family_type(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(stats[key]))
+            yield family
 
 
 async def metrics_endpoint(request: Request) -> Response:

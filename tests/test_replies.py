@@ -160,6 +160,9 @@ def test_the_next_turn_reuses_the_replys_kv_only_with_kept_replies(keep):
             # /tokenize counts the prompt as the chat route encoded it (same tenant)
             count = client.post("/tokenize", json={"messages": second}).json()["count"]
             assert count == r2["usage"]["prompt_tokens"] != canonical
+            metrics = client.get("/metrics").text
+            assert 'qml:kept_reply_hits_total{model_name="tiny-llama-random"} 2.0' in metrics  # chat, /tokenize
+            assert 'qml:kept_replies{model_name="tiny-llama-random"} 1.0' in metrics  # one conversation
         else:
             assert client.app.state.replies is None
             assert cached <= prompt1 // 16 * 16 + 16 and r2["usage"]["prompt_tokens"] == canonical
