@@ -20,7 +20,8 @@ the same rows, the same padding, the same inverse.
 
 Limits: one program holds the ``[BLOCK_T·BLOCK_K, BLOCK_E]`` one-hot tile, so the op applies to
 few tokens (``MAX_TOKENS``: 16 tokens of top-8 over 128 experts is a 16,384-entry tile); larger
-batches keep the two ops. ``moe_gemm.moe_forward`` takes it by default on CUDA
+batches keep the two ops. ``moe_gemm.moe_forward`` takes it by default on CUDA up to 4 tokens of
+top-8 over 128 experts (``FUSED_DEFAULT_MAX_TILE``; only 1 token has been timed)
 (``QML_FUSED_MOE_ROUTE=0`` keeps the two ops): on the H200 it took Qwen3-30B-A3B's batch-1 decode step
 from 3.706 to 3.538 ms (648 -> 600 launches; one 4.6 us launch a layer in place of 3.3 + 4.4 us), with
 the transformers check unchanged (fp32 exact, bf16 within transformers' own spread;
@@ -138,9 +139,21 @@ def _supported(logits, top_k, renormalize, block_size, *args, **kwargs) -> bool:
             and b["BLOCK_T"] * b["BLOCK_K"] * b["BLOCK_E"] <= MAX_TILE)
 
 
+# moe_forward's default takes the fused op up to this one-hot tile (4 tokens of top-8 over 128 experts, the
+# 4-warp form): it was timed on the H200 at 1 token only, and one program's work grows with the tile, while
+# the two ops spread theirs; the op itself serves up to MAX_TILE
+FUSED_DEFAULT_MAX_TILE = 4096
+
+
 def fused_route_applies(logits: torch.Tensor, top_k: int, renormalize: bool, block_size: int) -> bool:
-    """``moe_forward`` takes the fused path: switched on, on a GPU, and within one program's tile."""
-    return FUSED_MOE_ROUTE and logits.is_cuda and _supported(logits, top_k, renormalize, block_size)
+    """``moe_forward`` takes the fused path: switched on, on a GPU, and within the tile above."""
+    return (FUSED_MOE_ROUTE and logits.is_cuda and _supported(logits, top_k, renormalize, block_size)
+            and within_default_tile(logits.shape[0], logits.shape[1], top_k, block_size))
+
+
+def within_default_tile(T: int, E: int, top_k: int, block_size: int) -> bool:
+    b = _blocks(T, E, top_k, block_size)
+    return b["BLOCK_T"] * b["BLOCK_K"] * b["BLOCK_E"] <= FUSED_DEFAULT_MAX_TILE
 
 
 # -- workbench ------------------------------------------------------------------------------
