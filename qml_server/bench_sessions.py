@@ -12,8 +12,9 @@ The conversations take turns round-robin (turn 1 of every user, then turn 2 of e
 one request at a time. All U histories compete for the KV memory as in a real deployment,
 and each request's effect on the server's counters is its own: around every turn the bench
 reads ``/metrics`` and takes the deltas of ``qml:kv_restored_blocks_total{tier="host"|"disk"}``
-(pages copied back to the GPU) and ``qml:kv_recomputed_blocks_total`` (pages found on disk
-but recomputed), and classifies the turn by where its history came from: ``gpu`` (cached
+(pages copied back to the GPU), ``qml:kv_recomputed_blocks_total`` (pages found on disk
+but recomputed) and ``qml:kept_reply_reused_tokens_total`` (prompt ids the server took from
+the replies it generated instead of encoding their text), and classifies the turn by where its history came from: ``gpu`` (cached
 tokens beyond the restored pages, ``PAGE_TOKENS`` tokens each), ``host``, ``disk`` or a
 mix (``gpu+disk``), ``recomputed`` (history, but nothing cached) or ``new`` (turn 1).
 
@@ -69,6 +70,7 @@ PAGE_TOKENS = 16  # qml's KV page; only used to split a turn's cached tokens bet
 DEFAULT_USERS, DEFAULT_TURNS, DEFAULT_TURN_TOKENS, DEFAULT_REPLY_TOKENS = 4, 4, 133, 128
 PHASES = ("gpu", "evict")
 RESTORED = "qml:kv_restored_blocks_total"
+REUSED_REPLY_IDS = "qml:kept_reply_reused_tokens_total"  # prompt ids taken from kept replies (qml_server.replies)
 RECOMPUTED = "qml:kv_recomputed_blocks_total"
 CALIBRATION_CHARS = 2000
 
@@ -115,7 +117,8 @@ def _counters(metrics: dict | None) -> dict[str, float] | None:
         return None
     return {"host": metric_sum(metrics, RESTORED, tier="host") or 0.0,
             "disk": metric_sum(metrics, RESTORED, tier="disk") or 0.0,
-            "recomputed": metric_sum(metrics, RECOMPUTED) or 0.0}
+            "recomputed": metric_sum(metrics, RECOMPUTED) or 0.0,
+            "reply_ids": metric_sum(metrics, REUSED_REPLY_IDS) or 0.0}
 
 
 def run_sessions(base_url: str, api_key: str | None = None, model: str | None = None, users: int | None = None,
@@ -206,6 +209,7 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
                 if run.completion_tokens > 1 else None,
                 "restored_blocks": restored,
                 "recomputed_disk_blocks": None if delta is None else delta["recomputed"],
+                "kept_reply_ids": None if delta is None else delta["reply_ids"],
                 "where": where_from(turn, run.cached_tokens, restored),
                 "fresh_ttft_ms": None, "fresh_prompt_tokens": None, "fresh_cached_tokens": None,
             }
@@ -273,6 +277,8 @@ def by_turn(records: list[dict]) -> list[dict]:
             "conversations": len(rs),
             "prompt_tokens": _median([r["prompt_tokens"] for r in rs]),
             "cached_tokens": _median([r["cached_tokens"] for r in rs]),
+            "computed_tokens": _median([r["prompt_tokens"] - r["cached_tokens"] for r in rs]),
+            "kept_reply_ids": _median([r.get("kept_reply_ids") for r in rs]),
             "ttft_ms": ttft,
             "ttft_p90_ms": _p90([r["ttft_ms"] for r in rs]),
             "fresh_ttft_ms": fresh_ttft,
@@ -300,15 +306,16 @@ def markdown(result: dict) -> str:
              + f"; {s['users']} conversations, ~{s['turn_tokens']}-token turns, {s['reply_tokens']}-token replies",
              "",
              ("| turn | prompt tokens | cached tokens | TTFT (ms) | fresh-prefill TTFT (ms) | fresh / TTFT | "
-              "where restored | restored pages host / disk |"),
-             "|---:|---:|---:|---:|---:|---:|:---|---:|"]
+              "where restored | restored pages host / disk | computed tokens | ids from kept replies |"),
+             "|---:|---:|---:|---:|---:|---:|:---|---:|---:|---:|"]
     for row in result["by_turn"]:
         where = ", ".join(f"{k} ×{v}" for k, v in sorted(row["where"].items()))
         rb = row["restored_blocks"]
         pages = "—" if rb is None else f"{rb['host']} / {rb['disk']}"
         lines.append(f"| {row['turn']} | {num(row['prompt_tokens'], '{:.0f}')} | {num(row['cached_tokens'], '{:.0f}')} "
                      f"| {num(row['ttft_ms'])} | {num(row['fresh_ttft_ms'])} | {num(row['speedup'], '{:.2f}x')} "
-                     f"| {where} | {pages} |")
+                     f"| {where} | {pages} | {num(row['computed_tokens'], '{:.0f}')} "
+                     f"| {num(row['kept_reply_ids'], '{:.0f}')} |")
     lines += ["", "(medians over the conversations of each turn)"]
     if result["notes"]:
         lines += ["", *(f"note: {n}" for n in result["notes"])]
