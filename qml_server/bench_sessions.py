@@ -14,9 +14,10 @@ and each request's effect on the server's counters is its own: around every turn
 reads ``/metrics`` and takes the deltas of ``qml:kv_restored_blocks_total{tier="host"|"disk"}``
 (pages copied back to the GPU), ``qml:kv_recomputed_blocks_total`` (pages found on disk
 but recomputed) and ``qml:kept_reply_reused_tokens_total`` (prompt ids the server took from
-the replies it generated instead of encoding their text), and classifies the turn by where its history came from: ``gpu`` (cached
-tokens beyond the restored pages, ``PAGE_TOKENS`` tokens each), ``host``, ``disk`` or a
-mix (``gpu+disk``), ``recomputed`` (history, but nothing cached) or ``new`` (turn 1).
+the replies it generated instead of encoding their text), and classifies the turn by where
+its history came from: ``gpu`` (cached tokens beyond the restored pages, ``PAGE_TOKENS``
+tokens each), ``host``, ``disk`` or a mix (``gpu+disk``), ``recomputed`` (history, but
+nothing cached) or ``new`` (turn 1).
 
 For every turn the bench records TTFT, ``prompt_tokens`` and ``cached_tokens``. With
 ``--fresh``, each turn's prompt is also sent again right after it (``max_tokens=1``) with a
