@@ -137,10 +137,10 @@ class PagedPrefillAttentionConfig:
         """Split-KV programs running at once: fewer warps a program leave room for more per SM."""
         return self.concurrent_programs * max(1, self.num_warps // self.split_warps(head_dim))
 
-    def tiles(self, head_dim: int, group: int, split: bool = False) -> tuple[int, int]:
-        """(BLOCK_M, BLOCK_N) for this head dim; BLOCK_M holds at least one token's query heads.
-        ``split``: the split-KV launch (a short chunk over a long band), with 64 keys a step and 4
-        warps up to Dh 128 (``split_warps``; kv-upload-h200-attention-rule-2026-12-01.json)."""
+    def tiles(self, head_dim: int, group: int) -> tuple[int, int]:
+        """(BLOCK_M, BLOCK_N) for this head dim; BLOCK_M holds at least one token's query heads. The
+        split-KV launch (a short chunk over a long band) takes the same tiles with fewer warps
+        (``split_warps``; kv-upload-h200-attention-rule-2026-12-01.json)."""
         # the fp32 accumulator is BLOCK_M x Dh: 128 rows up to Dh 128, 64 rows at Dh 256 keep it
         # (and the Q tile) within the register file of 8 warps without spills
         block_m = self.block_m or (128 if head_dim <= 128 else 64)
@@ -459,7 +459,7 @@ def _constexprs(H: int, Hkv: int, Dh: int, S: int, dtype: torch.dtype, window: b
                 config: PagedPrefillAttentionConfig, direct: bool = True) -> dict:
     """The kernel's compile-time parameters, as the launcher specialises it (``direct``: one split)."""
     group = H // Hkv
-    block_m, block_n = config.tiles(Dh, group, split=not direct)
+    block_m, block_n = config.tiles(Dh, group)
     return {"GROUP": group, "TILE_TOKENS": block_m // group, "HEAD_DIM": Dh, "PAGE_SIZE": S,
             "BLOCK_M": block_m, "BLOCK_N": block_n,
             "SEQ_CHUNK": 64,  # sequences scanned per step of the program -> sequence search
