@@ -209,8 +209,9 @@ def turn_attention_section(results: dict, n_q: int = 219) -> None:
 
 def turn_attention_rule_section(results: dict) -> None:
     """The split-KV launch's warps and key step across turn sizes (new queries over 27,339 keys,
-    Llama-3.1-8B heads, one layer): the default (128 keys a step, 8 warps) against 64 keys with 4
-    warps, whose programs are small enough for two per SM (so also with 264 programs at once)."""
+    Llama-3.1-8B heads, one layer): the config's defaults (128 keys a step and 8 warps until c65adea,
+    since then the 4-warp split launch) against 64 keys with 4 warps, whose programs are small
+    enough for two per SM (so also with 264 programs at once)."""
     from triton.testing import do_bench
 
     dev = torch.device("cuda")

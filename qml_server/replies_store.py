@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import struct
+import sys
 import threading
 from array import array
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 log = logging.getLogger("qml.server")
 
 MAGIC = b"QMLRPLY1"
+_BIG_ENDIAN = sys.byteorder == "big"  # the file's ids are little endian
 SUFFIX = ".rep"
 
 
@@ -42,7 +44,7 @@ def encode(tenant: str, text: str, ids: array, cuts: list[tuple[int, int]]) -> b
     ids_le = array("i", ids)
     if ids_le.itemsize != 4:
         raise ValueError("int32 arrays are needed")
-    if struct.pack("=i", 1) != struct.pack("<i", 1):
+    if _BIG_ENDIAN:
         ids_le.byteswap()
     header = json.dumps({"tenant": tenant, "text_bytes": len(body), "ids": len(ids), "cuts": cuts}).encode()
     data = MAGIC + struct.pack("<I", len(header)) + header + body + ids_le.tobytes()
@@ -63,7 +65,7 @@ def decode(data: bytes) -> tuple[str, str, array, list[tuple[int, int]]]:
     text = payload[start + n:text_end].decode("utf-8", "surrogatepass")
     ids = array("i")
     ids.frombytes(payload[text_end:])
-    if struct.pack("=i", 1) != struct.pack("<i", 1):
+    if _BIG_ENDIAN:
         ids.byteswap()
     cuts = [(int(c), int(k)) for c, k in header["cuts"]]
     if len(ids) != header["ids"] or not cuts or cuts[-1] != (len(text), len(ids)):
