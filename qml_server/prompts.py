@@ -23,7 +23,6 @@ class ChatPrompt:
 
     ids: list[int]
     text: str | None = None
-    reused_tokens: int = 0  # leading ids taken from a kept reply instead of encoded
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolUse | None, add_generation_prompt: bool,
@@ -47,7 +46,7 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolUse |
     if kept is None:
         return ChatPrompt(list(tokenizer.encode_chat(text)), text)
     chars, ids = kept
-    return ChatPrompt(ids + list(tokenizer.encode_chat(text[chars:], continuation=True)), text, len(ids))
+    return ChatPrompt(ids + list(tokenizer.encode_chat(text[chars:], continuation=True)), text)
 
 
 def text_prompt_ids(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
