@@ -47,6 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from qml_kernels.moe_decode import decode_applies, moe_decode
 from qml_kernels.moe_route import fused_route_applies, moe_route
 from qml_kernels.moe_routing import draw_expert_ids, moe_align, moe_align_ref, moe_combine, moe_router, moe_router_ref
 from qml_kernels.registry import dispatch, register
@@ -248,8 +249,11 @@ def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.T
     then up rows), w_down: [E, D, I] -> sum over the top-k experts of weight · expert(x): [T, D].
 
     Each step dispatches on its own (Triton on CUDA, references on CPU); nothing waits on the
-    device, so a decode step can be captured in a CUDA graph.
+    device, so a decode step can be captured in a CUDA graph. Up to ``moe_decode.MAX_TOKENS`` tokens
+    on CUDA the whole FFN is ``moe_decode``'s two weight streams (``QML_MOE_DECODE=0``: this path).
     """
+    if decode_applies(x, router_logits, w_gate_up, w_down, top_k):
+        return moe_decode(x, router_logits, w_gate_up, w_down, top_k, renormalize)
     T, E = router_logits.shape
     block = moe_block_size(T * top_k, E)
     if fused_route_applies(router_logits, top_k, renormalize, block):  # a decode step: one launch
