@@ -29,6 +29,22 @@ Only the chosen experts are read; a token's k experts are distinct, so at one to
 read twice. At T tokens two tokens may share an expert and both read it (4 tokens of top-8 over
 128 experts: ~28.5 distinct of 32 pairs, 12% extra): past ``MAX_TOKENS`` the grouped GEMMs win.
 
+Measured on the H200 (2026-12-01, ``benchmarks/moe_decode_h200.py``, 8 layers of Qwen3-30B-A3B experts in
+a CUDA graph; ``benchmarks/results/moe-decode-h200-2026-12-01.md``), it lost to the grouped path it was
+meant to replace, so ``moe_forward`` keeps the grouped path unless ``QML_MOE_DECODE=1``:
+
+| tokens | grouped path (5 launches' worth: route, 2 GEMMs, combine) | this path, best config of a 42-config sweep |
+|---:|---:|---:|
+| 1 | 34.1 us a layer | 36.0 (routing inline), 35.0 (``moe_router`` first) |
+| 4 | 81.2 | 122.6, 105.7 |
+
+With the default config the 30B-A3B decode step went from 3.553 to 3.911 ms (600 -> 506 launches, but
+gate+up 24.4 us a layer = 2.1 TB/s and down 16.2 us = 1.6 TB/s, where the grouped GEMMs stream 2.9).
+Expected: the dense GEMV's ~3.7 TB/s. What we read from it: plain loads feeding FMAs are not
+pipelined the way ``tl.dot`` operands are (``cp.async`` stages), and with a few hundred programs
+that is too few bytes in flight; the inline top-k (8 rounds of two cross-warp reductions) also
+delays every program's first weight load by more than the router launch it saves.
+
 Sources: the matrix-vector structure is textbook; the fused-MoE idea of reading only the routed
 experts is vLLM's / SGLang's; the kernels are ours.
 """
@@ -47,7 +63,8 @@ from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
 MAX_TOKENS = 4  # tokens this path takes (its tiles do not grow with T; duplicate expert reads do)
-MOE_DECODE = os.environ.get("QML_MOE_DECODE", "1") != "0"  # moe_forward's default for <= MAX_TOKENS on CUDA
+# off by default: on the H200 the grouped path was faster (see the module docstring); QML_MOE_DECODE=1 takes this one
+MOE_DECODE = os.environ.get("QML_MOE_DECODE", "0") == "1"
 ROUTE_INLINE = os.environ.get("QML_MOE_DECODE_ROUTE_INLINE", "1") != "0"
 
 

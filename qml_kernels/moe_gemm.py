@@ -249,8 +249,9 @@ def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.T
     then up rows), w_down: [E, D, I] -> sum over the top-k experts of weight · expert(x): [T, D].
 
     Each step dispatches on its own (Triton on CUDA, references on CPU); nothing waits on the
-    device, so a decode step can be captured in a CUDA graph. Up to ``moe_decode.MAX_TOKENS`` tokens
-    on CUDA the whole FFN is ``moe_decode``'s two weight streams (``QML_MOE_DECODE=0``: this path).
+    device, so a decode step can be captured in a CUDA graph. With ``QML_MOE_DECODE=1``, up to
+    ``moe_decode.MAX_TOKENS`` tokens on CUDA the whole FFN is ``moe_decode``'s two weight streams
+    (off by default: slower on the H200).
     """
     if decode_applies(x, router_logits, w_gate_up, w_down, top_k):
         return moe_decode(x, router_logits, w_gate_up, w_down, top_k, renormalize)
