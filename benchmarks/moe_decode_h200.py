@@ -114,6 +114,7 @@ def sweep_grouped(tokens, w_gate_up, w_down, gen, rows, seconds) -> None:
                     continue
                 timed.append((us, cfg))
                 rows.append({"section": "grouped", "gemm": gemm, "T": T, **cfg.__dict__, "us": round(us, 2)})
+                print(json.dumps(rows[-1]), flush=True)
                 if us < best[1]:
                     best = (cfg, us)
             if T == tokens[0]:
@@ -143,10 +144,8 @@ def main() -> int:
     sections = args.sections.split(",")
     if "grouped" in sections:
         sweep_grouped(tokens, w_gate_up, w_down, gen, rows, args.seconds)
-    if "decode" not in sections:
-        tokens = []
     first, best = tokens[0], MoEDecodeConfig()
-    for T in tokens:
+    for T in tokens if "decode" in sections else []:
         x = torch.randn(T, D, device="cuda", generator=gen).bfloat16()
         for spread in ("uniform", "skewed"):
             logits = [torch.randn(T, E, device="cuda", generator=gen).bfloat16() for _ in range(L)]
