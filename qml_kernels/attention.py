@@ -16,6 +16,7 @@ the softmax), and tanh logit soft-capping.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +43,9 @@ class AttentionMetadata:
     @classmethod
     def build(cls, slot_mapping: list[int] | torch.Tensor, block_tables: list[list[int]], cu_seqlens_q: list[int],
               context_lens: list[int], device) -> AttentionMetadata:
-        width = max(len(t) for t in block_tables)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
         return cls(
             slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.int64).to(device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            block_tables=block_tables_tensor(block_tables).to(device),
             cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
             cu_seqlens_q_host=list(cu_seqlens_q),
@@ -66,6 +65,24 @@ class AttentionMetadata:
     def is_decode(self) -> bool:
         """Every sequence brings exactly one new token."""
         return self.max_q_len == 1
+
+
+def block_tables_tensor(block_tables: list[list[int]]) -> torch.Tensor:
+    """The tables as one CPU int32 tensor [B, longest], rows padded with page 0.
+
+    Built through one flat buffer of C ints, not nested lists: the tables grow with the context,
+    and are built at every step (64 tables of ~1,700 pages, 27k-token contexts: 4.6 -> 1.3 ms;
+    one: 0.06 -> 0.02 ms)."""
+    B, width = len(block_tables), max(map(len, block_tables))
+    if width == 0:
+        return torch.zeros(B, 0, dtype=torch.int32)
+    flat = array("i", bytes(4 * B * width))
+    for i, table in enumerate(block_tables):
+        flat[i * width:i * width + len(table)] = array("i", table)
+    return torch.frombuffer(flat, dtype=torch.int32).view(B, width)  # (keeps ``flat`` alive)
+
+
+assert array("i").itemsize == 4  # torch.int32
 
 
 def kv_write_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from qml_kernels.attention import AttentionMetadata
+from qml_kernels.attention import AttentionMetadata, block_tables_tensor
 from qml_kernels.sampling import sample
 
 log = logging.getLogger("qml.cuda_graphs")
@@ -224,9 +224,9 @@ class DecodeGraphs(_GraphFamily):
             p = s.num_computed
             rows.append((s.token_ids[p], p, s.block_table[p // S] * S + p % S, p + 1))
         host[:, :B] = torch.tensor(rows, dtype=torch.int64).T
-        width = max(len(s.block_table) for s in seqs)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        tables_now = block_tables_tensor([s.block_table for s in seqs])  # rebuilt each step: tables grow
+        width = tables_now.shape[1]
+        tables[:B, :width] = tables_now
         _Sampling.host_rows(seqs, host_f, host_i)
         host_f[:, B:n] = 0.0  # padding rows: greedy
         host_i[:, B:n] = 0
@@ -302,7 +302,7 @@ class PrefillGraphs(_GraphFamily):
         host[0, :n] = torch.tensor(seq.token_ids[start:L], dtype=torch.int64)
         pos = torch.arange(start, L)
         host[1, :n] = pos
-        table = torch.tensor(seq.block_table, dtype=torch.int32)
+        table = block_tables_tensor([seq.block_table])[0]
         host[2, :n] = table[pos // S].long() * S + pos % S
         host[:, n:T] = 0
         host[2, n:T] = -1  # padding rows write no K/V

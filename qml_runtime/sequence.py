@@ -7,6 +7,7 @@ import time
 
 from qml_runtime.constrained import GrammarMatcher
 from qml_runtime.detokenizer import IncrementalDetokenizer
+from qml_runtime.kv.prefix import TOKEN_BYTES
 from qml_runtime.sampling_params import SamplingParams
 
 
@@ -21,16 +22,21 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  detokenizer: IncrementalDetokenizer, seed: int = 0, salt: bytes = b"", retain: bool = False,
-                 grammar: GrammarMatcher | None = None):
+                 grammar: GrammarMatcher | None = None, packed_prompt: bytes | None = None):
         self.request_id = request_id
         self.params = params
         self.token_ids: list[int] = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
+        # the prompt packed (kv.prefix.pack) where the caller has it already: its blocks are named from it
+        if packed_prompt is not None and len(packed_prompt) != self.num_prompt_tokens * TOKEN_BYTES:
+            raise ValueError(f"packed_prompt holds {len(packed_prompt)} bytes for {self.num_prompt_tokens} tokens")
+        self.packed_prompt = packed_prompt
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached = 0  # prompt tokens found in the prefix cache at first admission, not computed
         self.salt = salt  # the tenant's: enters every page name, so tenants never share pages
         self.retain = retain  # a named session: its pages are the last to be evicted
         self.block_names: list[bytes] = []  # content names of the sequence's full blocks, computed in order
+        self.named_tokens = bytearray()  # the tokens those names hash, packed (kv.prefix.pack)
         self.num_committed = 0  # pages of block_table registered under their names
         self.admitted = False
         self.block_table: list[int] = []

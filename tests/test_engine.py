@@ -72,6 +72,8 @@ def test_seeded_sampling_reproduces(engine):
 @pytest.mark.parametrize("prompt, params, param", [
     ([], GREEDY, "prompt"),
     ([1, 2, 10**9], GREEDY, "prompt"),  # a token id outside the vocabulary
+    ([1, -2], GREEDY, "prompt"),
+    ([1, 2.0], GREEDY, "prompt"),  # not an int
     ([1] * 8000, SamplingParams(max_tokens=500), "max_tokens"),  # over the 8192 context
 ])
 def test_bad_requests_raise_before_queueing(engine, prompt, params, param):

@@ -79,13 +79,97 @@ def test_tenants_never_share_pages():
 
 
 def test_a_hash_collision_is_a_miss(monkeypatch):
+    # every block gets the same (colliding) name, whether named one by one or in a run
     monkeypatch.setattr("qml_runtime.scheduler.block_hash", lambda parent, tokens, fp, salt: b"x" * 32)
+    monkeypatch.setattr("qml_runtime.scheduler.chain_packed",
+                        lambda data, block_size, fp, salt, start: [b"x" * 32] * (len(data) // (4 * block_size)))
     sched = make()
     run_to_end(sched, seq(list(range(40))))
-    impostor = seq(list(range(100, 140)))  # every page gets the same (colliding) name
+    impostor = seq(list(range(100, 140)))
     sched.add(impostor)
     sched.schedule()
     assert impostor.num_cached == 0
+    half = seq(list(range(16)) + list(range(200, 224)))  # its first block is the cached one, its second is not
+    sched.add(half)
+    sched.schedule()
+    assert half.num_cached == 16
+
+
+def test_lookup_run_checks_every_block_s_tokens():
+    blocks = BlockManager(8, S)
+    a, b, c = list(range(16)), list(range(16, 32)), list(range(32, 48))
+    for page, name, tokens in ((3, b"n0", a), (5, b"n1", b), (6, b"n2", c)):
+        blocks.register(page, name, tuple(tokens))
+    names, data = [b"n0", b"n1", b"n2"], prefix.pack(a + b + c)
+    assert blocks.lookup_run(names, data) == [3, 5, 6]
+    assert blocks.lookup_run([b"n0", b"zz", b"n2"], data) == [3]  # a name not cached ends the run
+    # one token differs in block 1, under the same name (a collision): a miss, and the run ends there
+    assert blocks.lookup_run(names, prefix.pack(a + [7] + b[1:] + c)) == [3]
+    assert blocks.lookup_run(names, prefix.pack([7] + a[1:] + b + c)) == []
+    assert blocks.lookup_run([], b"") == []
+
+
+def test_known_chains_give_the_names_that_chain_gives():
+    import random
+
+    rng = random.Random(5)
+    fp = b"fp"
+    known = prefix.KnownChains(S, max_blocks=1000)
+    turn1 = [rng.randrange(2**31) for _ in range(16 * 10)]
+    names1 = prefix.chain(turn1, S, fp, b"a")
+    known.add(b"a", prefix.pack(turn1), names1)
+    turn2 = turn1 + [rng.randrange(2**31) for _ in range(16 * 3)]
+    assert known.names(b"a", prefix.pack(turn2)) == names1  # its first 10 blocks: the rest is hashed
+    assert known.names(b"b", prefix.pack(turn2)) == []  # another tenant's salt: nothing
+    edited = turn1[:16 * 4 + 3] + [7] + turn1[16 * 4 + 4:]  # differs in block 4
+    assert known.names(b"a", prefix.pack(edited)) == names1[:4] == prefix.chain(edited, S, fp, b"a")[:4]
+    assert known.names(b"a", prefix.pack(turn1[:16 * 6 + 5])) == names1[:6]  # shorter: its whole blocks
+    assert known.names(b"a", prefix.pack([1] * 16 + turn1[16:])) == []  # another first block
+    # the next turn replaces the entry its tokens extend; another conversation with the same first block
+    # (a shared system prompt) is kept beside it, and the oldest keys go past the bound
+    known.add(b"a", prefix.pack(turn2), prefix.chain(turn2, S, fp, b"a"))
+    assert known.num_blocks == 13
+    fork = turn1[:16] + [rng.randrange(2**31) for _ in range(16 * 4)]
+    known.add(b"a", prefix.pack(fork), prefix.chain(fork, S, fp, b"a"))
+    assert known.num_blocks == 18
+    assert known.names(b"a", prefix.pack(fork)) == prefix.chain(fork, S, fp, b"a")
+    assert known.names(b"a", prefix.pack(turn2)) == prefix.chain(turn2, S, fp, b"a")
+    small = prefix.KnownChains(S, max_blocks=12)
+    for first in range(3):
+        tokens = [first] * 16 * 5
+        small.add(b"", prefix.pack(tokens), prefix.chain(tokens, S, fp, b""))
+    assert small.num_blocks == 10 and small.names(b"", prefix.pack([0] * 16 * 5)) == []
+    with pytest.raises(ValueError):
+        small.add(b"", prefix.pack(turn1), names1[:3])  # names that do not cover the tokens
+
+
+def test_next_turn_copies_known_names_and_hashes_only_its_new_blocks(monkeypatch):
+    import random
+
+    rng = random.Random(7)
+    sched = make(num_blocks=64)
+    first = seq([rng.randrange(512) for _ in range(16 * 20 + 5)], salt=b"t")
+    run_to_end(sched, first)  # 20 full pages named; its names kept when it finishes
+    hashed = []
+    chain_packed = prefix.chain_packed
+    monkeypatch.setattr("qml_runtime.scheduler.chain_packed",
+                        lambda data, *args, **kw: hashed.append(len(data)) or chain_packed(data, *args, **kw))
+    tokens = first.token_ids + [rng.randrange(512) for _ in range(40)]  # 365 tokens: 22 blocks
+    # packed by the engine's check of the prompt (the other sequences below pack their own)
+    nxt = Sequence("nxt", tokens, SamplingParams(max_tokens=8), detokenizer=None, salt=b"t",
+                   packed_prompt=prefix.pack(tokens))
+    sched.add(nxt)
+    sched.schedule()
+    assert nxt.block_names == prefix.chain(nxt.token_ids[:22 * S], S, b"model", b"t")
+    assert hashed == [2 * S * 4]  # the 2 new blocks only
+    assert nxt.num_cached == 20 * S  # the same hits as with every name hashed
+    other = seq(list(nxt.token_ids), salt=b"u")  # another tenant, the same tokens: all hashed, nothing shared
+    sched.add(other)
+    sched.schedule()
+    assert hashed[-1] == 22 * S * 4 and other.num_cached == 0
+    assert other.block_names == prefix.chain(other.token_ids[:22 * S], S, b"model", b"u")
+    with pytest.raises(ValueError):
+        Sequence("bad", tokens, SamplingParams(), detokenizer=None, packed_prompt=prefix.pack(tokens[1:]))
 
 
 def test_cached_pages_are_evicted_oldest_first_and_reported():

@@ -8,12 +8,19 @@ free pages, until a new allocation needs the room. So a conversation's history s
 on the GPU between turns for as long as memory allows, and the next turn finds it by
 name. Pages of conversations that asked for retention (a session id) wait in a second
 LRU list that is only drawn on once the first is empty.
+
+A page's tokens are kept twice: as a tuple (what the lower tiers take when it is evicted or
+kept) and packed (``kv.prefix.pack``). A new turn over a 27k-token history finds its ~1,700
+pages by name and checks all their tokens with one comparison of the joined packed bytes
+(~0.03 ms), rather than a tuple built and compared per block (~0.3 ms).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Callable
+
+from qml_runtime.kv.prefix import TOKEN_BYTES, pack
 
 
 class BlockManager:
@@ -22,6 +29,7 @@ class BlockManager:
         self.ref = [0] * num_blocks
         self._name: list[bytes | None] = [None] * num_blocks
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._packed: list[bytes | None] = [None] * num_blocks  # the same tokens, packed
         self._by_name: dict[bytes, int] = {}
         # free pages, oldest first: cached pages are evicted in LRU order, empty ones first;
         # retained ones (sessions) only when no other free page is left
@@ -64,7 +72,7 @@ class BlockManager:
             if self.on_evict is not None:
                 self.on_evict(page, name, self._tokens[page])
             del self._by_name[name]
-            self._name[page] = self._tokens[page] = None
+            self._name[page] = self._tokens[page] = self._packed[page] = None
         self.ref[page] = 1
         return page
 
@@ -82,24 +90,42 @@ class BlockManager:
     # --- prefix cache -----------------------------------------------------------------
 
     def lookup(self, name: bytes, tokens: tuple[int, ...]) -> int | None:
-        """The page cached under ``name`` if its tokens are ``tokens`` (a hash collision is a miss)."""
+        """The page cached under ``name`` if its tokens are ``tokens`` (a hash collision is a miss):
+        one block (the scheduler looks a whole history up at once, ``lookup_run``)."""
         page = self._by_name.get(name)
         if page is None or self._tokens[page] != tokens:
             return None
         return page
 
-    def acquire(self, page: int) -> None:
-        """Take a hold on a cached page found by ``lookup``."""
-        if self.ref[page] == 0:
-            (self._free if page in self._free else self._retained).pop(page)
-        self.ref[page] += 1
+    def lookup_run(self, names: list[bytes], packed: bytes) -> list[int]:
+        """Pages of the longest run of leading blocks cached: block i under ``names[i]``, with the tokens
+        of ``packed``'s block i (``kv.prefix.pack``). A name whose page holds other tokens (a hash
+        collision) is a miss, and the run ends before it."""
+        pages = list(map(self._by_name.get, names))
+        if None in pages:
+            pages = pages[:pages.index(None)]
+        B = self.block_size * TOKEN_BYTES
+        if b"".join(map(self._packed.__getitem__, pages)) != packed[:len(pages) * B]:
+            pages = pages[:next(i for i, p in enumerate(pages) if self._packed[p] != packed[i * B:(i + 1) * B])]
+        return pages
 
-    def register(self, page: int, name: bytes, tokens: tuple[int, ...]) -> None:
-        """Name a full, computed page. If another page already holds this content, keep that one."""
+    def acquire(self, pages: list[int]) -> None:
+        """Take a hold on each of ``pages``, cached pages found by ``lookup_run`` (one loop: a 27k-token
+        history is ~1,700 of them)."""
+        ref, free, retained = self.ref, self._free, self._retained
+        for page in pages:
+            if ref[page] == 0:
+                (free if page in free else retained).pop(page)
+            ref[page] += 1
+
+    def register(self, page: int, name: bytes, tokens: tuple[int, ...], packed: bytes | None = None) -> None:
+        """Name a full, computed page (``packed``: its tokens packed, if the caller has them).
+        If another page already holds this content, keep that one."""
         if name in self._by_name or self._name[page] is not None:
             return
         self._by_name[name] = page
         self._name[page], self._tokens[page] = name, tokens
+        self._packed[page] = pack(tokens) if packed is None else bytes(packed)
 
     def named(self, page: int) -> tuple[bytes, tuple[int, ...]] | None:
         """(name, tokens) of a registered page, else None."""
