@@ -17,10 +17,19 @@ padded up to the next captured size (a bucket):
   the padding rows form a second sequence of ``T - n`` tokens that writes no K/V and whose
   output is dropped, so the attention kernel's grid (from T and B = 2) stays fixed while
   the real lengths sit on the device.
+  Up to ``PREFILL_SHORT_MAX`` tokens each bucket has two graphs, for contexts that fit in the
+  bucket (fresh prompts) and for longer ones (a turn over a cached history): see below.
 
 Launch shapes chosen on the host are pinned for the capture: the decode attention's split
 count comes from the longest possible context, and the host lists say "not a fresh prompt"
-so the Triton attention (whose grid needs only T and B) is captured rather than cuDNN.
+so the Triton attention (whose grid needs only T and B) is captured rather than cuDNN. The
+prefill attention's split count is pinned the same way, and one count does not serve both
+kinds of prompt: a turn over a 27k-token history needs several splits (a few hundred queries
+are too few programs for the GPU), while a fresh prompt pays for them without need (its
+workspace and merge: Qwen3-30B-A3B's 590-token prompt spent 3.2 ms in split attention and 2.8
+ms in the merge against ~22 ms of kernels, benchmarks/results/ttft-profile-qwen3-30b-a3b-2026-12-01.md).
+So buckets up to ``PREFILL_SHORT_MAX`` are captured twice: for contexts up to the bucket (split
+count chosen for a band of T keys) and for the long context.
 
 The logits head and the sampler run inside the graph (sampling parameters are static
 buffers too), so a step costs one replay and one copy of the tokens back. A step with a
@@ -61,6 +70,9 @@ def decode_buckets(max_batch: int) -> list[int]:
 # the 1,024-token graph took 26 ms. The wider buckets past 1024 (12-25% apart) cost at most that
 # much padding. From 4,096 tokens cuDNN's attention (eager) is the faster path.
 PREFILL_SPLIT_CONTEXT = 32768
+# buckets that also get a graph for contexts up to their own size (fresh prompts); larger ones fill the
+# GPU with their own tiles and choose one split at either context (attention_prefill's measurements)
+PREFILL_SHORT_MAX = 1024
 PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
                    1280, 1536, 1792, 2048, 2304, 2560, 3072, 3584, 4096)
 
@@ -110,7 +122,7 @@ class _GraphFamily:
         self.max_pages = -(-max_context // self.block_size)
         self.capture_enabled = capture
         self.pool = pool
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict = {}  # key (``keys``) -> (graph, its sampled tokens, its logits)
         # the last step's logits [bucket, V]: sampled again outside the graph when a row of the
         # step needs logits processing or logprobs (qml_runtime.runner)
         self.last_logits: torch.Tensor | None = None
@@ -119,47 +131,53 @@ class _GraphFamily:
     def bucket(self, size: int) -> int:
         return next(b for b in self.buckets if b >= size)
 
-    def _forward(self, n: int, capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys(self) -> list:
+        """What a graph is captured for, smallest first (decode: its buckets)."""
+        return list(self.buckets)
+
+    def _forward(self, key, capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (sampled tokens, their logits)"""
         raise NotImplementedError
 
-    def _before_capture(self, n: int) -> None:
+    def _before_capture(self, key) -> None:
         raise NotImplementedError
 
     @torch.inference_mode()
     def capture_all(self) -> None:
         t0 = time.perf_counter()
-        for n in reversed(self.buckets):
-            if n not in self._graphs:
-                self._capture(n)
-        log.info("captured %s CUDA graphs for sizes %s in %.1f s", self.name, self.buckets, time.perf_counter() - t0)
+        keys = self.keys()
+        for key in reversed(keys):
+            if key not in self._graphs:
+                self._capture(key)
+        log.info("captured %d %s CUDA graphs for sizes %s in %.1f s", len(keys), self.name, self.buckets,
+                 time.perf_counter() - t0)
 
-    def _capture(self, n: int) -> None:
+    def _capture(self, key) -> None:
         self.kv.settle()  # a capture may not wait on a restore's events (recorded outside it)
-        self._before_capture(n)  # inputs that write no K/V into anybody's pages
+        self._before_capture(key)  # inputs that write no K/V into anybody's pages
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._forward(n, capturing=True)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            self._forward(key, capturing=True)  # warm-up: Triton compiles, cuBLAS picks its kernels
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            tokens, logits = self._forward(n, capturing=True)
-        self._graphs[n] = (graph, tokens, logits)
+            tokens, logits = self._forward(key, capturing=True)
+        self._graphs[key] = (graph, tokens, logits)
 
-    def _replay(self, n: int) -> torch.Tensor | None:
-        """The bucket's tokens after a replay, or None when a capture clobbered the inputs (fill again)."""
-        if n not in self._graphs:
-            self._capture(n)
+    def _replay(self, key) -> torch.Tensor | None:
+        """The graph's tokens after a replay, or None when a capture clobbered the inputs (fill again)."""
+        if key not in self._graphs:
+            self._capture(key)
             return None
-        graph, tokens, self.last_logits = self._graphs[n]
+        graph, tokens, self.last_logits = self._graphs[key]
         graph.replay()
         return tokens
 
-    def _eager(self, n: int) -> torch.Tensor:
-        tokens, self.last_logits = self._forward(n, capturing=False)
+    def _eager(self, key) -> torch.Tensor:
+        tokens, self.last_logits = self._forward(key, capturing=False)
         return tokens
 
 
@@ -269,14 +287,27 @@ class PrefillGraphs(_GraphFamily):
     def fits(self, num_tokens: int, num_pages: int) -> bool:
         return 1 < num_tokens <= self.max_tokens and num_pages <= self.max_pages
 
-    def _forward(self, T: int, capturing: bool) -> torch.Tensor:
+    def keys(self) -> list[tuple[int, bool]]:
+        """(bucket, long context): every bucket for long contexts, the small ones also for short."""
+        keys = [(T, True) for T in self.buckets] + [(T, False) for T in self.buckets if T <= PREFILL_SHORT_MAX]
+        return sorted(keys)
+
+    def key(self, n: int, context: int) -> tuple[int, bool]:
+        """The graph for ``n`` new tokens ending at ``context``: the short-context one when the whole
+        context fits in the bucket (a fresh prompt, or a short cached prefix)."""
+        T = self.bucket(n)
+        return (T, not (context <= T and T <= PREFILL_SHORT_MAX))
+
+    def _forward(self, key: tuple[int, bool], capturing: bool) -> torch.Tensor:
+        T, long = key
         if capturing:
             # host lists that only size the launch: two sequences, T rows, not a fresh prompt, and
             # the context the attention's split count is chosen for (any count is correct for any
-            # context): 32k, where a turn over a long history needs the splits; replays over short
-            # contexts then run a few empty ones
+            # context): 32k for the long graph, where a turn over a long history needs the splits
+            # (replays over shorter contexts run a few empty ones), T for the short one
             cu_host = [0, T - 1, T]
-            ctx_host = [max(T, min(self.max_pages * self.block_size, PREFILL_SPLIT_CONTEXT))] * 2
+            ctx = min(self.max_pages * self.block_size, PREFILL_SPLIT_CONTEXT) if long else T
+            ctx_host = [max(T, ctx)] * 2
         else:
             cu_host, ctx_host = self._eager_host
         meta = AttentionMetadata(
@@ -286,7 +317,8 @@ class PrefillGraphs(_GraphFamily):
         logits = self.model.logits(hidden.index_select(0, self.last_row))  # [1, V]
         return self.sampling.sample(logits), logits
 
-    def _before_capture(self, T: int) -> None:
+    def _before_capture(self, key: tuple[int, bool]) -> None:
+        T = key[0]
         self.inputs[2].fill_(-1)
         self.lens[0].copy_(torch.tensor([0, T - 1, T], dtype=torch.int32))
         self.lens[1].copy_(torch.tensor([T - 1, 1, 0], dtype=torch.int32))
@@ -295,9 +327,10 @@ class PrefillGraphs(_GraphFamily):
     def run(self, seq, n: int) -> torch.Tensor:
         """Compute the next ``n`` tokens of ``seq`` -> the token sampled after them, [1] on the device
         (meaningful when they end the sequence's uncomputed tokens)."""
-        T, S = self.bucket(n), self.block_size
-        start = seq.num_computed
+        S, start = self.block_size, seq.num_computed
         L = start + n
+        key = self.key(n, L)
+        T = key[0]
         host = self._host
         host[0, :n] = torch.tensor(seq.token_ids[start:L], dtype=torch.int64)
         pos = torch.arange(start, L)
@@ -320,6 +353,6 @@ class PrefillGraphs(_GraphFamily):
         self.sampling.ints.copy_(self._host_i, non_blocking=True)
         if not self.capture_enabled:
             self._eager_host = ([0, n, T], [L, T - n])
-            return self._eager(T)
-        tokens = self._replay(T)
+            return self._eager(key)
+        tokens = self._replay(key)
         return self.run(seq, n) if tokens is None else tokens

@@ -119,3 +119,20 @@ def test_padded_prefill_over_a_cached_prefix_matches_plain(engine):
         finally:
             eng.shutdown()
     assert outputs[True] == outputs[False]
+
+
+def test_prefill_graphs_for_short_and_long_contexts(engine):
+    """Small buckets get a graph for contexts that fit in them (fresh prompts: the attention's split
+    count chosen for a short band) and one for long contexts (a turn over a cached history); larger
+    buckets only the long one. A prompt takes the short graph only when its whole context fits."""
+    eng = _engine(engine, graphs=False)
+    graphs = PrefillGraphs(engine.model, eng.kv, engine.device, eng.context_length, capture=False,
+                           buckets=(16, 512, 1024, 2048))
+    assert graphs.keys() == [(16, False), (16, True), (512, False), (512, True), (1024, False), (1024, True),
+                             (2048, True)]
+    assert graphs.key(10, 10) == (16, False)  # fresh
+    assert graphs.key(10, 16) == (16, False)  # a short cached prefix: still within the bucket
+    assert graphs.key(10, 17) == (16, True)
+    assert graphs.key(300, 27_000) == (512, True)  # a turn over a long history
+    assert graphs.key(1024, 1024) == (1024, False)
+    assert graphs.key(1500, 1500) == (2048, True)  # past PREFILL_SHORT_MAX: the one graph
