@@ -27,7 +27,7 @@ from qml_runtime.sampling_params import SamplingParams
 FAMILIES = (
     ("expert GEMMs", ("_moe_gemm", "_gate_up_kernel", "_down_kernel")),
     ("routing", ("_moe_route", "_moe_router", "_moe_align", "_moe_combine")),
-    ("attention", ("attention",)),
+    ("attention", ("attention", "sdpa", "fmha", "flash")),
     ("dense GEMMs", ("nvjet", "gemm", "_linear", "_gemv", "cutlass", "splitK", "cublas")),
     ("norms, RoPE, KV writes", ("rmsnorm", "rope", "kv_write")),
 )
