@@ -1,6 +1,6 @@
 """Sweep the grouped GEMM's launch configs at Qwen3-30B-A3B shapes on the H200 (prefill sizes).
 
-    python benchmarks/moe_gemm_sweep.py --out DIR [--tokens 512,2048,8192]
+    python benchmarks/moe_gemm_sweep.py --out DIR [--tokens 512,2048,8192] [--grid full|tma]
 
 For each token count, uniform random routing (what random router weights give), both GEMMs of an
 expert FFN (gate-up with the fused SwiGLU, down) are timed for every (alignment block, tile) combination;
@@ -10,6 +10,7 @@ each config's output is first compared with the default config's. Prints and wri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -20,13 +21,21 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from qml_kernels.moe_gemm import MoEGemmConfig, moe_block_size, moe_gemm_triton
+from qml_kernels.moe_gemm import MoEGemmConfig, moe_block_size, moe_gemm_config, moe_gemm_triton
 from qml_kernels.moe_routing import draw_expert_ids, moe_align_triton
 
 E, K_TOP, D, I = 128, 8, 2048, 768
 
 
-def configs():
+def configs(grid: str = "full"):
+    if grid == "tma":  # the launcher's prefill tiles and a few around them, weights by pointer and by TMA
+        for block_size in (64, 128):
+            base = moe_gemm_config(block_size)
+            for cfg in (base, dataclasses.replace(base, num_stages=4), dataclasses.replace(base, block_k=128),
+                        dataclasses.replace(base, block_n=2 * base.block_n, num_warps=8)):
+                for tma in (False, True):
+                    yield block_size, dataclasses.replace(cfg, tma_weights=tma)
+        return
     for block_size, block_m, block_n, block_k, warps, stages in itertools.product(
             (64, 128), (64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4)):
         if block_m > block_size or (block_n == 256 and block_m == 128):
@@ -38,6 +47,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", default="512,2048,8192")
+    parser.add_argument("--grid", choices=("full", "tma"), default="full",
+                        help="tma: the launcher's prefill tiles and neighbours, each with and without TMA weight loads")
     args = parser.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     w_gate_up = (torch.randn(E, 2 * I, D, device="cuda", generator=gen) * D**-0.5).bfloat16()
@@ -54,7 +65,7 @@ def main() -> int:
         for name, fn in gemms.items():
             expected = fn(default_block, None)
             flops = 2 * T * K_TOP * (2 * I if name == "gate-up" else D) * (D if name == "gate-up" else I)
-            for block_size, cfg in configs():
+            for block_size, cfg in configs(args.grid):
                 try:
                     got = fn(block_size, cfg)
                     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
@@ -63,7 +74,7 @@ def main() -> int:
                     continue
                 row = {"gemm": name, "T": T, "block_size": block_size, **cfg.__dict__, "us": round(us, 1),
                        "TFLOP_per_s": round(flops / us / 1e6, 1), "default": block_size == default_block and cfg
-                       == MoEGemmConfig()}
+                       == moe_gemm_config(block_size)}
                 rows.append(row)
                 if (name, T) not in best or us < best[name, T]["us"]:
                     best[name, T] = row

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qml_kernels.moe_decode import decode_applies, moe_decode
 from qml_kernels.moe_route import fused_route_applies, moe_route
@@ -65,12 +66,17 @@ class MoEGemmConfig:
     block_k: int = 32  # reduction step
     num_warps: int = 4
     num_stages: int = 3
+    # weight tiles through a TMA tensor descriptor (``w`` seen as [E·N, K]) instead of pointer loads; the
+    # activation rows are gathered by pair, so they stay pointer loads
+    tma_weights: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"MoEGemmConfig.{name} must be a power of 2 >= 16, got {value}")
+        if self.tma_weights and max(self.block_n, self.block_k) > 256:
+            raise ValueError("MoEGemmConfig: a TMA box is at most 256 elements a side")
 
 
 # Tiles of 16 rows hold a few pairs each (at one token, one real row of 16): the GEMM is a stream of
@@ -111,9 +117,9 @@ def moe_block_size(num_pairs: int, num_experts: int) -> int:
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, offsets_ptr,
+    a_ptr, w_ptr, w_desc, out_ptr, sorted_pairs_ptr, offsets_ptr,
     N_OUT, K, E, stride_a, stride_we, stride_wn, stride_out,
-    PAIRS_PER_ROW: tl.constexpr, SWIGLU: tl.constexpr, PRECISION: tl.constexpr,
+    PAIRS_PER_ROW: tl.constexpr, SWIGLU: tl.constexpr, PRECISION: tl.constexpr, TMA_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     first_row = tl.program_id(0) * BLOCK_M
@@ -134,16 +140,25 @@ def _moe_gemm_kernel(
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + ks[None, :]  # [BLOCK_M, BLOCK_K]
     # w[expert] is [N, K]: read a [BLOCK_K, BLOCK_N] tile of its transpose
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    # TMA_W: the tile's weight rows in w seen as [E·N, K] (N = N_OUT, or 2·N_OUT with swiglu); TMA fills
+    # what lies past K or past the last expert with zeros, and columns past N_OUT are never stored
+    w_row = expert * (2 * N_OUT if SWIGLU else N_OUT) + tl.program_id(1) * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if TMA_W:
+            w = w_desc.load([w_row, k0]).T  # [BLOCK_K, BLOCK_N]
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if SWIGLU:
             # the up rows of w[expert] start N_OUT rows after the gate rows
-            w_up = tl.load(w_ptrs + N_OUT * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if TMA_W:
+                w_up = w_desc.load([w_row + N_OUT, k0]).T
+            else:
+                w_up = tl.load(w_ptrs + N_OUT * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -192,16 +207,24 @@ def moe_gemm_triton(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor
         return out
     block_n = min(config.block_n, max(16, triton.next_power_of_2(n_out)))
     block_k = min(config.block_k, max(16, triton.next_power_of_2(K)))
+    tma = config.tma_weights and _tma_weights_ok(w)
+    # w as [E·N, K] rows for the descriptor (tma); otherwise w itself, never read through it
+    w_desc = TensorDescriptor.from_tensor(w.view(E * N, K), [block_n, block_k]) if tma else w
     _moe_gemm_kernel[(R // block_m, triton.cdiv(n_out, block_n))](
-        a, w, out, sorted_pairs, expert_offsets,
+        a, w, w_desc, out, sorted_pairs, expert_offsets,
         n_out, K, E, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        PAIRS_PER_ROW=pairs_per_row, SWIGLU=bool(swiglu),
+        PAIRS_PER_ROW=pairs_per_row, SWIGLU=bool(swiglu), TMA_W=tma,
         # fp32 in full precision, as torch's default fp32 matmul (TF32 off)
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def _tma_weights_ok(w: torch.Tensor) -> bool:
+    """w [E, N, K] can be one TMA descriptor over [E·N, K]: contiguous, 16-byte aligned base and rows."""
+    return w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.shape[2] * w.element_size()) % 16 == 0
 
 
 def moe_gemm_ref(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor, expert_offsets: torch.Tensor,

@@ -46,6 +46,9 @@ CONFIGS = {
     "decode": SMALL_TILE_CONFIG,
     "mid": MID_TILE_CONFIG,
     "large": LARGE_TILE_CONFIG,
+    # weight tiles through a TMA descriptor: edges past N and K zero-filled by the copy, not masked
+    "tma": MoEGemmConfig(tma_weights=True),
+    "tma-small-tiles": MoEGemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1, tma_weights=True),
 }
 
 # exp(-g) overflows to inf for very negative gates on purpose (silu is then exactly 0)
@@ -228,12 +231,16 @@ def test_matches_torch_grouped_mm():
 
 # -- compilation for the H200 (sm_90a) -------------------------------------------------------
 
-_SIGNATURE = {
-    "a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_pairs_ptr": "*i32", "offsets_ptr": "*i32",
-    "N_OUT": "i32", "K": "i32", "E": "i32", "stride_a": "i32", "stride_we": "i32", "stride_wn": "i32",
-    "stride_out": "i32", "PAIRS_PER_ROW": "constexpr", "SWIGLU": "constexpr", "PRECISION": "constexpr",
-    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "BLOCK_E": "constexpr",
-}
+def _signature(config: MoEGemmConfig) -> dict:
+    # without TMA the descriptor argument is w itself, never read
+    w_desc = f"tensordesc<bf16[{config.block_n}, {config.block_k}]>" if config.tma_weights else "*bf16"
+    return {
+        "a_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": w_desc, "out_ptr": "*bf16", "sorted_pairs_ptr": "*i32",
+        "offsets_ptr": "*i32", "N_OUT": "i32", "K": "i32", "E": "i32", "stride_a": "i32", "stride_we": "i32",
+        "stride_wn": "i32", "stride_out": "i32", "PAIRS_PER_ROW": "constexpr", "SWIGLU": "constexpr",
+        "PRECISION": "constexpr", "TMA_W": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+        "BLOCK_K": "constexpr", "BLOCK_E": "constexpr",
+    }
 
 
 def _variant(block_size: int, swiglu: bool, pairs_per_row: int, config: MoEGemmConfig | None = None) -> dict:
@@ -241,10 +248,10 @@ def _variant(block_size: int, swiglu: bool, pairs_per_row: int, config: MoEGemmC
     gate-up, 768 for down), with the config it picks for ``block_size`` unless one is given."""
     config = config or moe_gemm_config(block_size)
     constexprs = {"PAIRS_PER_ROW": pairs_per_row, "SWIGLU": swiglu, "PRECISION": "tf32",
-                  "BLOCK_M": min(config.block_m, block_size), "BLOCK_N": config.block_n,
-                  "BLOCK_K": config.block_k, "BLOCK_E": 128}
+                  "TMA_W": config.tma_weights, "BLOCK_M": min(config.block_m, block_size),
+                  "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "BLOCK_E": 128}
     divisible = ("N_OUT", "K", "stride_a", "stride_we", "stride_wn", "stride_out")
-    return {"signature": _SIGNATURE, "constexprs": constexprs, "num_warps": config.num_warps,
+    return {"signature": _signature(config), "constexprs": constexprs, "num_warps": config.num_warps,
             "num_stages": config.num_stages, "divisible": divisible}
 
 
@@ -256,6 +263,8 @@ COMPILE_VARIANTS = {
     "gate-up-swiglu-decode": _variant(16, True, 8),
     "down-decode": _variant(16, False, 1),
     "gate-up-swiglu-16-rows-default-tiles": _variant(16, True, 8, MoEGemmConfig()),
+    "gate-up-swiglu-long-prefill-tma": _variant(128, True, 8, dataclasses.replace(LARGE_TILE_CONFIG, tma_weights=True)),
+    "down-prefill-tma": _variant(64, False, 1, dataclasses.replace(MID_TILE_CONFIG, tma_weights=True)),
 }
 # programs of the decode tiles that must fit on one SM together (228 KB of shared memory on Hopper),
 # so that the weight bytes in flight per SM are what SMALL_TILE_CONFIG's comment counts
@@ -277,6 +286,8 @@ def test_compiles_for_hopper(compile_reports, name):
     # 64-row tiles are one warpgroup MMA high: the tensor cores' Hopper instruction must be used
     if COMPILE_VARIANTS[name]["constexprs"]["BLOCK_M"] >= 64:
         assert report["has_wgmma"], f"{name}: no wgmma in the PTX"
+    if COMPILE_VARIANTS[name]["constexprs"]["TMA_W"]:
+        assert report["has_tma"], f"{name}: no TMA copy in the PTX"
     if name in PROGRAMS_PER_SM:
         assert PROGRAMS_PER_SM[name] * report["shared_bytes"] <= 228 * 1024, f"{name}: {report['shared_bytes']} B"
         assert "cp.async" in report["ptx"], f"{name}: the weight loads are not asynchronous copies (no pipeline)"
