@@ -26,12 +26,16 @@ this is a stream of ``A`` experts' weights (bandwidth-bound), at long prefills c
 ``moe_forward``: router probabilities -> top-k -> grouped GEMMs -> weighted combine, each step
 dispatched on its own; ``moe_forward_ref`` is the same function as a loop over experts.
 
-Launch configs: ``moe_gemm_config(block_size)`` gives 16-row segments (decode, short prefills)
+Launch configs: ``moe_gemm_config(block_size, swiglu)`` gives 16-row segments (decode, short prefills)
 narrow, deep tiles with five pipeline stages, so the weight stream keeps enough bytes in flight
 (at one token the default tiles ran at 1.1-1.2 TB/s on the H200: gate-up 46.7 us, down 20.9 us,
 against 18 us for the 75 MB at 4.22 TB/s); 64-row segments 64x64 tiles 64 deep, 128-row segments
-(experts averaging 128+ pairs: long prefills) 128x128 tiles on 8 warps. Chosen by a sweep of 64
-configs on the H200 (``benchmarks/moe_gemm_sweep.py``, results/moe-gemm-sweep-2026-11-30.json).
+(experts averaging 128+ pairs: long prefills) 128x128 tiles on 8 warps (128x256 for the down
+projection). Chosen by a sweep of 64 configs on the H200 (``benchmarks/moe_gemm_sweep.py``,
+results/moe-gemm-sweep-2026-11-30.json). The prefill tiles load the weights through TMA tensor
+descriptors (``w`` seen as one ``[E·N, K]`` matrix; the copy zero-fills past K and past the last
+expert), 8-22% faster from 2,340 tokens up than pointer loads (results/moe-gemm-sweep-tma-2026-12-01.json);
+the activation rows are gathered by pair and stay pointer loads.
 
 Sources: the layout of vLLM's fused MoE kernel (pairs sorted by expert and padded to the tile
 height, the token gather folded into the A loads, outputs in pair order); the Triton matmul
@@ -95,15 +99,27 @@ SMALL_TILE_CONFIG = MoEGemmConfig(block_m=16, block_n=32, block_k=128, num_warps
 # (512 per expert) the default 1214 + 1525, 128x128 tiles on 128-row segments 886 + 659 (466 and 313
 # TFLOP/s). At 2048 tokens (128 per expert) 128-row segments cost 331 + 221 against the best 64-row
 # tiles' 318 + 248: the threshold sits there.
-MID_TILE_CONFIG = MoEGemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
-LARGE_TILE_CONFIG = MoEGemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+# Weight tiles through TMA (``tma_weights``; the sweep with --grid tma, 2026-12-01,
+# results/moe-gemm-sweep-tma-2026-12-01.json), gate-up + down us, pointer loads -> TMA:
+#   512 tokens, 64-row tiles: 212.6 + 127.5 -> 208.6 + 125.0;
+#   2,340 tokens, 128-row tiles: 420.4 + 279.8 -> 388.2 + 229.2 (down on 128x256 tiles);
+#   8,890: 1031.0 + 744.8 -> 925.3 + 597.4; 26,900: 2997.0 + 1985.7 -> 2756.6 + 1553.9 (-13.5%).
+# The down projection (K = 768, no SwiGLU pair of accumulators) takes 256-wide tiles at 128 rows, which
+# the gate-up GEMM cannot hold (two 128x256 fp32 accumulators: out of registers).
+MID_TILE_CONFIG = MoEGemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, tma_weights=True)
+LARGE_TILE_CONFIG = MoEGemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, tma_weights=True)
+LARGE_DOWN_TILE_CONFIG = MoEGemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3,
+                                       tma_weights=True)
 
 
-def moe_gemm_config(block_size: int) -> MoEGemmConfig:
-    """The launch config for segments of ``block_size`` rows (see ``moe_block_size``)."""
+def moe_gemm_config(block_size: int, swiglu: bool = True) -> MoEGemmConfig:
+    """The launch config for segments of ``block_size`` rows (see ``moe_block_size``): the gate-up GEMM
+    (``swiglu``) or the down projection."""
     if block_size < 64:
         return SMALL_TILE_CONFIG
-    return MID_TILE_CONFIG if block_size < 128 else LARGE_TILE_CONFIG
+    if block_size < 128:
+        return MID_TILE_CONFIG
+    return LARGE_TILE_CONFIG if swiglu else LARGE_DOWN_TILE_CONFIG
 
 
 def moe_block_size(num_pairs: int, num_experts: int) -> int:
@@ -181,7 +197,7 @@ def moe_gemm_triton(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor
                     config: MoEGemmConfig | None = None) -> torch.Tensor:
     """a: [P / pairs_per_row, K], w: [E, N, K], grouping from ``moe_align(..., block_size)`` ->
     [P, N] (or [P, N/2] with ``swiglu``: silu(gate) · up) in a.dtype, fp32 accumulation.
-    ``config``: None picks ``moe_gemm_config(block_size)``."""
+    ``config``: None picks ``moe_gemm_config(block_size, swiglu)``."""
     assert a.dim() == 2 and a.dtype in _FLOAT_DTYPES and a.stride(-1) == 1, \
         f"a must be [rows, K] fp32/fp16/bf16 with a contiguous last dimension, got {a.dtype} {tuple(a.shape)}"
     assert w.dim() == 3 and w.shape[2] == a.shape[1] and w.stride(-1) == 1, \
@@ -189,7 +205,7 @@ def moe_gemm_triton(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor
     assert w.dtype == a.dtype and w.device == a.device, f"w: {w.dtype} on {w.device}, a: {a.dtype} on {a.device}"
     E, N, K = w.shape
     _check_grouping(sorted_pairs, expert_offsets, E, a.device)
-    config = config or moe_gemm_config(block_size)
+    config = config or moe_gemm_config(block_size, swiglu)
     assert pairs_per_row >= 1, f"pairs_per_row must be >= 1, got {pairs_per_row}"
     block_m = min(config.block_m, block_size)
     assert block_m >= 16 and block_size % block_m == 0, \

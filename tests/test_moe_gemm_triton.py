@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from qml_kernels import registry
 from qml_kernels.moe_gemm import (
+    LARGE_DOWN_TILE_CONFIG,
     LARGE_TILE_CONFIG,
     MID_TILE_CONFIG,
     MOE_GEMM_SPEC,
@@ -46,6 +47,8 @@ CONFIGS = {
     "decode": SMALL_TILE_CONFIG,
     "mid": MID_TILE_CONFIG,
     "large": LARGE_TILE_CONFIG,
+    "large-down": LARGE_DOWN_TILE_CONFIG,
+    "mid-pointer-loads": dataclasses.replace(MID_TILE_CONFIG, tma_weights=False),
     # weight tiles through a TMA descriptor: edges past N and K zero-filled by the copy, not masked
     "tma": MoEGemmConfig(tma_weights=True),
     "tma-small-tiles": MoEGemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1, tma_weights=True),
@@ -87,6 +90,8 @@ def test_config_follows_the_segment_height():
     128-row ones (long prefills) 128x128 tiles; each tile height divides its segments."""
     assert moe_gemm_config(16) is SMALL_TILE_CONFIG and moe_gemm_config(32) is SMALL_TILE_CONFIG
     assert moe_gemm_config(64) is MID_TILE_CONFIG and moe_gemm_config(128) is LARGE_TILE_CONFIG
+    assert moe_gemm_config(128, swiglu=False) is LARGE_DOWN_TILE_CONFIG  # the down projection: wider tiles
+    assert all(moe_gemm_config(b, s).tma_weights for b in (64, 128) for s in (True, False))  # prefill: TMA
     for T, block, block_m in ((1, 16, 16), (256, 16, 16), (257, 64, 64), (2047, 64, 64), (2048, 128, 128)):
         assert moe_block_size(8 * T, 128) == block, T  # Qwen3-30B-A3B: 8 of 128 experts
         assert moe_gemm_config(block).block_m == block_m
@@ -246,7 +251,7 @@ def _signature(config: MoEGemmConfig) -> dict:
 def _variant(block_size: int, swiglu: bool, pairs_per_row: int, config: MoEGemmConfig | None = None) -> dict:
     """The bf16 kernel as the launcher specialises it for Qwen3-30B-A3B (128 experts; K = 2048 for
     gate-up, 768 for down), with the config it picks for ``block_size`` unless one is given."""
-    config = config or moe_gemm_config(block_size)
+    config = config or moe_gemm_config(block_size, swiglu)
     constexprs = {"PAIRS_PER_ROW": pairs_per_row, "SWIGLU": swiglu, "PRECISION": "tf32",
                   "TMA_W": config.tma_weights, "BLOCK_M": min(config.block_m, block_size),
                   "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "BLOCK_E": 128}
@@ -263,8 +268,8 @@ COMPILE_VARIANTS = {
     "gate-up-swiglu-decode": _variant(16, True, 8),
     "down-decode": _variant(16, False, 1),
     "gate-up-swiglu-16-rows-default-tiles": _variant(16, True, 8, MoEGemmConfig()),
-    "gate-up-swiglu-long-prefill-tma": _variant(128, True, 8, dataclasses.replace(LARGE_TILE_CONFIG, tma_weights=True)),
-    "down-prefill-tma": _variant(64, False, 1, dataclasses.replace(MID_TILE_CONFIG, tma_weights=True)),
+    "gate-up-swiglu-long-prefill-pointer-loads": _variant(128, True, 8,
+                                                          dataclasses.replace(LARGE_TILE_CONFIG, tma_weights=False)),
 }
 # programs of the decode tiles that must fit on one SM together (228 KB of shared memory on Hopper),
 # so that the weight bytes in flight per SM are what SMALL_TILE_CONFIG's comment counts
