@@ -20,6 +20,7 @@ JsonObject = dict[str, Any]
 # Integers are int64 on the wire (OpenAI's seed, and what the engine's tensors hold);
 # a bigger one would overflow far from here, inside the engine.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_INTS = {int}
 
 # An escaped UTF-16 surrogate (\ud800-\udfff). A pair decodes to one character; a lone one
 # decodes to a str that cannot be encoded back to UTF-8, which would fail deep in the
@@ -159,5 +160,10 @@ def token_ids(value: Any) -> list[int] | None:
     """``value`` as a non-empty list of ints, or None if it is not one."""
     if not isinstance(value, list) or not value:
         return None
+    # The usual prompt, JSON integers only, is taken as is after one C-level pass over the types:
+    # as_int per id took 1.8 ms for 26,900 ids (CPU), this 0.3 ms. Anything else (5.0, true, "7")
+    # goes through as_int, which decides.
+    if set(map(type, value)) == _INTS:
+        return value
     ids = [as_int(v) for v in value]
     return None if any(i is None for i in ids) else ids

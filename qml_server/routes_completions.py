@@ -34,7 +34,10 @@ async def completions(request: Request) -> Response:
     check_model(req.model, engine.model_id)
     check_token_ids([t for t, _ in req.sampling.logit_bias], getattr(engine.tokenizer, "vocab_size", None),
                     "logit_bias")
-    prompt_ids = await run_in_threadpool(completion_prompt_ids, engine.tokenizer, req.prompt)
+    if isinstance(req.prompt, str):  # encoding a long text is CPU work: off the event loop
+        prompt_ids = await run_in_threadpool(completion_prompt_ids, engine.tokenizer, req.prompt)
+    else:  # ids are only checked (0.3 ms for 26,900 on CPU): cheaper here than the thread hop (~0.09 ms)
+        prompt_ids = completion_prompt_ids(engine.tokenizer, req.prompt)
     max_tokens = resolve_max_tokens(req.sampling.max_tokens, len(prompt_ids), engine.context_length, "prompt")
     params = req.sampling.to_params(max_tokens)
 

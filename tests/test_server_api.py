@@ -354,6 +354,61 @@ def test_integral_numbers_are_integers(client, fake):
     assert_error(client.post(CHAT, json={"messages": HELLO, "n": True}), 400, TYPE, "n")
 
 
+# Token-id prompts are checked in bulk when they are all in range and per id otherwise: whatever
+# path a list takes, a bad one gets this exact error (the messages the per-id check always gave).
+NOT_A_PROMPT = "'prompt' must be a string, a list of token ids, or a one-item list of either, got list"
+BAD_PROMPT_IDS = [
+    ("float", [72, 1.5], TYPE, NOT_A_PROMPT),
+    ("bool", [72, True], TYPE, NOT_A_PROMPT),
+    ("bool-alone", [False], TYPE, NOT_A_PROMPT),
+    ("null", [72, None], TYPE, NOT_A_PROMPT),
+    ("string-id", [72, "105"], TYPE, NOT_A_PROMPT),
+    ("empty", [], TYPE, NOT_A_PROMPT),
+    ("empty-nested", [[]], TYPE, NOT_A_PROMPT),
+    ("nested-pair", [[72], [105]], UNSUPPORTED, "Only one prompt per request is supported"),
+    ("negative", [72, -1], VALUE, "prompt[1] = -1 is not a valid token id [0, 257)"),
+    ("past-vocab", [72, 105, 257], VALUE, "prompt[2] = 257 is not a valid token id [0, 257)"),
+    ("first-bad-named", [72, 300, -5], VALUE, "prompt[1] = 300 is not a valid token id [0, 257)"),
+    ("nested-negative", [[72, -3]], VALUE, "prompt[1] = -3 is not a valid token id [0, 257)"),
+    ("over-int64", [72, 2**64], VALUE, f"prompt[1] = {2**64} is not a valid token id [0, 257)"),
+    ("under-int64", [-(2**63) - 1], VALUE, f"prompt[0] = {-(2**63) - 1} is not a valid token id [0, 257)"),
+    ("int64-max", [2**63 - 1], VALUE, f"prompt[0] = {2**63 - 1} is not a valid token id [0, 257)"),
+    ("integral-float-past-vocab", [72, 300.0], VALUE, "prompt[1] = 300 is not a valid token id [0, 257)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("prompt,code,message", [c[1:] for c in BAD_PROMPT_IDS], ids=[c[0] for c in BAD_PROMPT_IDS])
+def test_bad_prompt_ids_get_the_same_error(client, fake, prompt, code, message):
+    for stream in (False, True):
+        r = client.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": 1, "stream": stream})
+        assert assert_error(r, 400, code, "prompt")["message"] == message
+    assert fake.calls == []
+
+
+def test_good_prompt_ids_reach_the_engine_as_sent(client, fake):
+    ids = [BOS] + [i % 257 for i in range(200)] + [0, 256]
+    for prompt, expected in ((ids, ids), ([ids], ids), ([72.0, 105], [72, 105]), ([[0, 256.0]], [0, 256])):
+        r = client.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(expected)
+        assert fake.calls[-1].prompt_ids == expected
+        assert all(type(t) is int for t in fake.calls[-1].prompt_ids)
+
+
+def test_token_id_checks_directly():
+    from qml_server.fields import token_ids
+    from qml_server.schemas import check_token_ids
+
+    ids = [3, 0, 7]
+    assert token_ids(ids) == ids and token_ids([3.0, 4]) == [3, 4]
+    assert token_ids([1, True]) is None and token_ids([1, 2.5]) is None and token_ids([]) is None
+    assert check_token_ids(ids, 8, "p") is ids and check_token_ids([], 8, "p") == []
+    assert check_token_ids([2**64, 5], None, "p") == [2**64, 5]  # without a vocabulary only negatives fail
+    with pytest.raises(Exception, match=r"p\[1\] = -1 is not a valid token id \(non-negative\)"):
+        check_token_ids([2**64, -1], None, "p")
+    with pytest.raises(Exception, match=r"p\[2\] = 8 is not a valid token id \[0, 8\)"):
+        check_token_ids([3, 0, 8], 8, "p")
+
+
 # --- /tokenize and /detokenize --------------------------------------------------------
 
 

@@ -1,0 +1,198 @@
+"""Where the served time to first token goes outside the engine, by prompt length, on CPU.
+
+On the H200 the served TTFT (`qml bench serve`, token-id prompts on /v1/completions) exceeded the
+engine's in-process TTFT by ~3.5 ms at 130 tokens and ~12 ms at 26,900 (issue 6). This script
+serves the real app (`qml_server.create_app`, under uvicorn as `qml serve` runs it) over a
+stand-in engine that answers at once, so all that is left is the HTTP path, and sends what the
+bench sends (`bench_common.IdPrompts` and `Client.stream`: stream=True, max_tokens=1, a fresh
+cache_salt). The server runs in a subprocess and stamps each phase with perf_counter (the same
+clock in both processes on Linux): client send -> app called -> body read -> JSON parsed ->
+request parsed -> prompt ids checked (thread pool) -> engine.generate called -> first SSE write ->
+first chunk read by the client. A least-squares line over the sizes splits each phase into a
+fixed part and a part per 1,000 prompt tokens.
+
+On 2 CPU cores (medians of 50 runs, 26,900 ids): TTFT 5.07 -> 3.11 ms once the prompt ids were
+checked in bulk (parse 1.78 -> 0.37 ms, ids 0.77 -> 0.34 ms); what grows with the prompt went from
+0.141 to 0.091 ms per 1,000 tokens, of which JSON parsing (json.loads) is now 0.038.
+
+    python benchmarks/server_overhead_cpu.py                      # sizes 130,2340,8890,26900, 30 runs each
+    python benchmarks/server_overhead_cpu.py --repeats 50 --profile 26900   # + cProfile of the server side
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+
+VOCAB = 151936  # Qwen3's: ids of 4-6 digits on the wire, as the bench sends them
+PHASES = ("send->app", "body", "json", "parse", "ids", "->engine", "engine->write", "write->client")
+STAMPS = ("app", "body", "json", "parse", "ids", "engine", "write")
+
+
+def serve(port: int) -> None:
+    """The app over a stand-in engine, each phase of the request being handled stamped."""
+    from starlette.responses import JSONResponse
+
+    import qml_server.routes_completions as route
+    from qml_runtime.sampling_params import RequestOutput
+    from qml_server.app import create_app
+    from qml_server.lifecycle import serve as run_app
+
+    stamps: dict[str, float] = {}
+    profile = cProfile.Profile()
+    profiling = [False]
+
+    class Tokenizer:
+        vocab_size = VOCAB
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return list(text.encode())
+
+        def decode(self, ids: list[int], **_) -> str:
+            return "x" * len(ids)
+
+    class StandIn:  # the engine's contract (see create_app), answering the first token at once
+        model_id, context_length, tokenizer = "stand-in", 32768, Tokenizer()
+
+        def start(self) -> None: ...
+        def shutdown(self) -> None: ...
+        def info(self) -> dict: return {"device": "cpu", "context_length": self.context_length}
+        def stats(self) -> dict: return {"num_requests_running": 0, "num_requests_waiting": 0}
+
+        async def generate(self, prompt_ids, params, request_id, **_):
+            stamps["engine"] = time.perf_counter()
+            yield RequestOutput(request_id, "x", [7], "length", len(prompt_ids), 1)
+
+    def stamped(name, fn, is_async):
+        async def a(*args):
+            out = await fn(*args)
+            stamps[name] = time.perf_counter()
+            return out
+
+        def s(*args):
+            out = fn(*args)
+            stamps[name] = time.perf_counter()
+            return out
+        return a if is_async else s
+
+    route.read_json_object = stamped("json", route.read_json_object, True)
+    route.parse_completion_request = stamped("parse", route.parse_completion_request, False)
+    route.completion_prompt_ids = stamped("ids", route.completion_prompt_ids, False)
+    app = create_app(StandIn())
+
+    async def outer(scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/bench/"):
+            if scope["path"] == "/bench/profile":
+                profiling[0] = json.loads(scope["query_string"] or b"false")
+                out = io.StringIO()
+                if profile.getstats():
+                    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(18)
+                return await JSONResponse(out.getvalue())(scope, receive, send)
+            return await JSONResponse(dict(stamps))(scope, receive, send)
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        stamps.clear()
+        stamps["app"] = time.perf_counter()
+
+        async def receive_stamped():
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body"):
+                stamps["body"] = time.perf_counter()
+            return message
+
+        async def send_stamped(message):
+            if message["type"] == "http.response.body" and message.get("body") and "write" not in stamps:
+                stamps["write"] = time.perf_counter()
+                profile.disable()
+            await send(message)
+
+        if profiling[0]:
+            profile.enable()
+        try:
+            await app(scope, receive_stamped, send_stamped)
+        finally:
+            profile.disable()
+
+    run_app(outer, app.state.lifecycle, host="127.0.0.1", port=port, log_level="warning", shutdown_timeout_s=1)
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares ys = a + b * xs: (a, b)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def measure(args: argparse.Namespace) -> None:
+    from qml_server.bench_common import Client, IdPrompts
+
+    port = args.port
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], env={**os.environ})
+    base = f"http://127.0.0.1:{port}"
+    client = Client(base + "/v1", None, timeout=30.0)
+    try:
+        for _ in range(200):
+            try:
+                if client.http.get(base + "/health").status_code == 200:
+                    break
+            except Exception:  # noqa: BLE001  (not listening yet)
+                pass
+            time.sleep(0.1)
+        client.pick_model(None)
+        prompts = IdPrompts(VOCAB)
+        sizes = [int(s) for s in args.sizes.split(",")]
+        rows = {}
+        for n in sizes:
+            runs = []
+            for i in range(args.warmup + args.repeats):
+                run = client.stream(prompts.make(n), max_tokens=1)
+                s = client.http.get(base + "/bench/stamps").json()
+                if i < args.warmup:
+                    continue
+                points = [run.sent_at] + [s[k] for k in STAMPS] + [run.first_token_at]
+                runs.append([(b - a) * 1e3 for a, b in zip(points, points[1:])] + [run.ttft_s * 1e3])
+            rows[n] = [statistics.median(col) for col in zip(*runs)]
+        head = ["tokens"] + list(PHASES) + ["TTFT"]
+        print(f"median ms over {args.repeats} runs (stand-in engine: 0 ms); ids from [{prompts.lo}, {prompts.hi})")
+        print(" ".join(f"{h:>13}" for h in head))
+        for n in sizes:
+            print(" ".join(f"{v:>13}" for v in [n] + [f"{x:.3f}" for x in rows[n]]))
+        fixed, per_k = zip(*(fit(sizes, [rows[n][j] for n in sizes]) for j in range(len(head) - 1)))
+        print(" ".join(f"{v:>13}" for v in ["fixed"] + [f"{a:.3f}" for a in fixed]))
+        print(" ".join(f"{v:>13}" for v in ["per 1k tok"] + [f"{b * 1e3:.3f}" for b in per_k]))
+        if args.profile:
+            client.http.get(base + "/bench/profile?true")
+            for _ in range(args.repeats):
+                client.stream(prompts.make(args.profile), max_tokens=1)
+            print(f"\ncProfile of the event loop's thread, {args.repeats} requests of {args.profile} tokens:")
+            print(client.http.get(base + "/bench/profile?false").json())
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="130,2340,8890,26900")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--port", type=int, default=18431)
+    parser.add_argument("--profile", type=int, default=0, help="prompt tokens of the cProfile'd requests (0: none)")
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the server subprocess, on this port
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve)
+    else:
+        measure(args)
+
+
+if __name__ == "__main__":
+    main()
