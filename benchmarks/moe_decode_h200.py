@@ -70,11 +70,13 @@ def grid():
 
 
 def grouped_grid():
-    """moe_gemm configs for 16-row segments: tile width, K step, pipeline depth (4 warps), and warps."""
-    for bn, bk, stages in itertools.product((16, 32, 64), (64, 128, 256), (3, 5, 7)):
-        yield MoEGemmConfig(16, bn, bk, 4, stages)
-    for bn, warps in itertools.product((16, 32), (2, 8)):
-        yield MoEGemmConfig(16, bn, 128, warps, 5)
+    """moe_gemm configs for 16-row segments: tile width, K step, pipeline depth (4 warps), and warps; each
+    with the weights by pointer loads and through TMA."""
+    for tma in (False, True):
+        for bn, bk, stages in itertools.product((16, 32, 64), (64, 128, 256), (3, 5, 7)):
+            yield MoEGemmConfig(16, bn, bk, 4, stages, tma)
+        for bn, warps in itertools.product((16, 32), (2, 8)):
+            yield MoEGemmConfig(16, bn, 128, warps, 5, tma)
 
 
 def sweep_grouped(tokens, w_gate_up, w_down, gen, rows, seconds) -> None:
@@ -101,7 +103,7 @@ def sweep_grouped(tokens, w_gate_up, w_down, gen, rows, seconds) -> None:
             expected = fn(0, None).clone()
             nbytes = distinct * (2 if gemm == "gate-up" else 1) * FFN * D * 2
             default_us = graph_us(lambda i: fn(i, None), L)
-            best = (moe_gemm_config(16), default_us)
+            best = (moe_gemm_config(16, gemm == "gate-up"), default_us)
             configs = list(grouped_grid()) if T == tokens[0] else top.get(gemm, [])
             timed = []
             for cfg in configs:
