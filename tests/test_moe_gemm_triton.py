@@ -16,6 +16,7 @@ from qml_kernels.moe_gemm import (
     LARGE_TILE_CONFIG,
     MID_TILE_CONFIG,
     MOE_GEMM_SPEC,
+    SMALL_DOWN_TILE_CONFIG,
     SMALL_TILE_CONFIG,
     MoEGemmConfig,
     _moe_gemm_kernel,
@@ -45,6 +46,7 @@ CONFIGS = {
     "small-tiles": MoEGemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1),
     # what the launcher picks for 16-row segments: one tile for K <= 128 in the small cases
     "decode": SMALL_TILE_CONFIG,
+    "decode-down": SMALL_DOWN_TILE_CONFIG,
     "mid": MID_TILE_CONFIG,
     "large": LARGE_TILE_CONFIG,
     "large-down": LARGE_DOWN_TILE_CONFIG,
@@ -89,6 +91,7 @@ def test_config_follows_the_segment_height():
     """16-row segments (decode, short prefills) get the narrow deep tiles, 64-row ones 64x64 tiles,
     128-row ones (long prefills) 128x128 tiles; each tile height divides its segments."""
     assert moe_gemm_config(16) is SMALL_TILE_CONFIG and moe_gemm_config(32) is SMALL_TILE_CONFIG
+    assert moe_gemm_config(16, swiglu=False) is SMALL_DOWN_TILE_CONFIG
     assert moe_gemm_config(64) is MID_TILE_CONFIG and moe_gemm_config(128) is LARGE_TILE_CONFIG
     assert moe_gemm_config(128, swiglu=False) is LARGE_DOWN_TILE_CONFIG  # the down projection: wider tiles
     assert all(moe_gemm_config(b, s).tma_weights for b in (64, 128) for s in (True, False))  # prefill: TMA
@@ -273,7 +276,7 @@ COMPILE_VARIANTS = {
 }
 # programs of the decode tiles that must fit on one SM together (228 KB of shared memory on Hopper),
 # so that the weight bytes in flight per SM are what SMALL_TILE_CONFIG's comment counts
-PROGRAMS_PER_SM = {"gate-up-swiglu-decode": 2, "down-decode": 4}
+PROGRAMS_PER_SM = {"gate-up-swiglu-decode": 1, "down-decode": 5}
 
 
 @pytest.fixture(scope="module")
