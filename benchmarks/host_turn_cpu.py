@@ -16,8 +16,20 @@ By default the 150-token step goes through the prefill-graph path run eagerly (`
 capture=False), as the H200 turn does through its graph, and a host-RAM tier is on, as in the
 sessions benchmark (``--host-gib 0``: none; ``--eager``: the runner's eager ``_prepare`` path).
 
+``--tier host``: each turn finds the history in the host-RAM tier, not on GPU pages, as the next
+turn of a conversation does on a busy server. Before each turn (untimed) another conversation,
+another tenant's, takes every page of the pool, evicting this one's (kept in host RAM when its
+turn ended), and ends as a request does: named, kept in host RAM, cached on the GPU. The turn
+then restores its history from host RAM into pages it takes from that conversation. Its
+``schedule`` is split into ``restorable``, ``plan``, ``restore_host``, ``register`` (the restored
+pages) and the rest; ``upload`` (``KVTiers._upload``, the copy itself) is taken out of them and
+counted as compute: here a memcpy through the CPU staging path, on the H200 per-layer kernels on
+the restore stream (whose host side the CPU path does not run). ``--coarse``: no timer around
+calls made per block (``register`` before ``register_run``), for totals without their cost.
+
     python benchmarks/host_turn_cpu.py               # 10 timed turns, then 3 under cProfile
     python benchmarks/host_turn_cpu.py --turns 20 --eager --host-gib 0
+    python benchmarks/host_turn_cpu.py --tier host   # the history restored from host RAM each turn
 
 The first request takes ~40-60 s on 2 cores (the reference attention); each turn ~0.5 s. Results:
 benchmarks/results/host-turn-cpu-2026-12-01.md (host time to the token 3.98 -> 1.91 ms a turn).
@@ -45,12 +57,16 @@ from qml_runtime.engine import Engine
 from qml_runtime.kv.prefix import model_fingerprint
 from qml_runtime.presets import PRESETS, ByteTokenizer, random_model
 from qml_runtime.sampling_params import SamplingParams
+from qml_runtime.sequence import Sequence
 
 # what the GPU does on the H200 (timed, then subtracted); the host phases, nested ones indented. The
 # top-level host phases and "other" (the loop, waking, emitting) add up to "host".
 COMPUTE = ["forward", "logits", "sample"]
 PHASES = ["submit", "schedule", "  cached_prefix", "  restorable", "step_host", "  prepare", "  graph_stage",
           "commit", "finish", "  sched_finish", "  persist", "other"]
+# --tier host: the schedule of a restore, split; "upload" (the copy into the pages, inside restore_host) is
+# taken out of "host", "schedule" and "restore_host" as compute is; "sched_rest": the rest of "schedule"
+RESTORE = ["  plan", "  restore_host", "  upload", "  register", "  sched_rest"]
 
 
 def build(args) -> Engine:
@@ -74,21 +90,27 @@ class Timers:
 
     def __init__(self):
         self.turn: dict[str, float] = defaultdict(float)
+        self.running: set[str] = set()
 
-    def wrap(self, owner, attr: str, label: str) -> None:
+    def wrap(self, owner, attr: str, label: str, inside: str | None = None) -> None:
+        """``inside``: only calls made while the method labelled so runs count."""
         fn = getattr(owner, attr)
 
         def timed(*a, **kw):
+            if inside is not None and inside not in self.running:
+                return fn(*a, **kw)
+            self.running.add(label)
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
                 self.turn[label] += time.perf_counter() - t0
+                self.running.discard(label)
 
         setattr(owner, attr, timed)
 
 
-def instrument(eng: Engine) -> Timers:
+def instrument(eng: Engine, per_block: bool = True) -> Timers:
     t = Timers()
     sched, run = eng.scheduler, eng.runner
     for owner, attr, label in [(eng, "submit", "submit"), (sched, "schedule", "schedule"),
@@ -99,11 +121,34 @@ def instrument(eng: Engine) -> Timers:
         t.wrap(owner, attr, label)
     if eng.tiers is not None:
         t.wrap(eng.tiers, "persist", "  persist")
+        t.wrap(sched, "_admit", "admit")
+        restore = [(eng.tiers, "plan", "  plan"), (eng.tiers, "restore_host", "  restore_host"),
+                   (eng.tiers, "_upload", "  upload")]
+        if per_block:  # (before register_run, register was called once per block, each call then timed)
+            restore += [(eng.blocks, "register", "  register"), (eng.blocks, "register_run", "  register")]
+        for owner, attr, label in restore:
+            if hasattr(owner, attr):  # (register_run: after the change that added it)
+                t.wrap(owner, attr, label, inside="admit")
     if run.prefill_graphs is not None:
         t.wrap(run.prefill_graphs, "run", "  graph_stage")  # its compute is subtracted below
     for module in (runner, cuda_graphs):  # the sampler, wherever it is called from
         t.wrap(module, "sample", "sample")
     return t
+
+
+def fill_pool(eng: Engine, tokens: list[int]) -> None:
+    """Another conversation (``tokens``, another tenant) takes every free page, evicting the cached ones
+    (to host RAM), and ends as a finished request does: named pages, kept in host RAM, left cached."""
+    S = eng.blocks.block_size
+    n = eng.blocks.num_free * S
+    other = Sequence("other", tokens[:n], SamplingParams(max_tokens=1), None, salt=b"other")
+    eng.blocks.grow(other.block_table, n)
+    other.num_computed = n
+    eng.scheduler.commit(other)  # its pages named, as its steps would
+    eng.tiers.flush_spills()
+    table = list(other.block_table)
+    eng.blocks.release(other.block_table)
+    eng.tiers.persist(eng._named_pages(other, table))
 
 
 def turn(eng: Engine, prompt: list[int]) -> tuple[list[int], float]:
@@ -135,6 +180,8 @@ def main() -> None:
     p.add_argument("--host-gib", type=float, default=0.25, help="host-RAM tier (0: none)")
     p.add_argument("--disk", action="store_true", help="also a disk tier, in a temporary directory")
     p.add_argument("--eager", action="store_true", help="the runner's eager _prepare path, no prefill graphs")
+    p.add_argument("--tier", choices=["gpu", "host"], default="gpu", help="where each turn finds the history")
+    p.add_argument("--coarse", action="store_true", help="no timer around calls made per block (register)")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
     rng = random.Random(0)
@@ -149,11 +196,14 @@ def main() -> None:
         prompt += turn(eng, prompt)[0]
         print(f"first request: {args.history} tokens prefilled in {time.perf_counter() - t0:.1f} s; "
               f"{eng.blocks.num_cached} pages cached")
-        timers = instrument(eng)
+        timers = instrument(eng, per_block=not args.coarse)
+        other = [rng.randrange(256) for _ in range(args.blocks * 16)] if args.tier == "host" else []
         rows = []
         prof = cProfile.Profile()
         for k in range(args.turns + args.profile_turns):
             prompt += [rng.randrange(256) for _ in range(args.new)]
+            if args.tier == "host":
+                fill_pool(eng, other)
             timers.turn.clear()
             profiled = k >= args.turns
             hits = eng.scheduler.prefix_hits
@@ -166,29 +216,39 @@ def main() -> None:
             if profiled:
                 prof.disable()
                 continue
-            ms = {name: timers.turn.get(name, 0.0) * 1e3 for name in PHASES + COMPUTE + ["step"]}
+            ms = {name: timers.turn.get(name, 0.0) * 1e3 for name in PHASES + COMPUTE + RESTORE + ["step"]}
             compute = sum(ms[c] for c in COMPUTE)
             ms["step_host"] = ms["step"] - compute
             if not args.eager:
                 ms["  graph_stage"] -= compute
+            ms["  sched_rest"] = ms["schedule"] - sum(ms[p] for p in ["  cached_prefix", "  restorable", "  plan",
+                                                                       "  restore_host", "  register"])
+            for phase in ("schedule", "  restore_host"):  # the copy is the GPU's work too
+                ms[phase] -= ms["  upload"]
+            compute += ms["  upload"]
             host = wall * 1e3 - compute
             ms["other"] = host - sum(ms[p] for p in PHASES if not p.startswith(" ") and p != "other")
             rows.append({**ms, "total": wall * 1e3, "compute": compute, "host": host,
                          "host_ttft": ttft * 1e3 - compute, "cached": eng.scheduler.prefix_hits - hits})
         report(args, rows, prof)
+        if eng.tiers is not None:
+            print(f"\ntier stats: {eng.tiers.stats}")
         eng.shutdown()
 
 
 def report(args, rows: list[dict], prof: cProfile.Profile) -> None:
     cols = ["total", "compute", "host", "host_ttft"] + PHASES
-    print(f"\n{args.turns} turns over a {args.history}-token history, {args.new} new ids each "
+    if args.tier == "host":  # the restore's phases after "restorable"
+        cols[cols.index("  restorable") + 1:cols.index("  restorable") + 1] = RESTORE
+    print(f"\n{args.turns} turns over a {args.history}-token history in {args.tier} pages, {args.new} new ids each "
           f"({'eager' if args.eager else 'prefill-graph'} path, host tier {args.host_gib} GiB, "
           f"disk {'on' if args.disk else 'off'}); ms per turn")
     print(f"{'turn':>5} {'cached':>7} " + " ".join(f"{c.strip():>13}" for c in cols))
     for i, r in enumerate(rows):
         print(f"{i:>5} {r['cached']:>7} " + " ".join(f"{r[c]:>13.3f}" for c in cols))
     print(f"{'med':>5} {'':>7} " + " ".join(f"{statistics.median(r[c] for r in rows):>13.3f}" for c in cols))
-    print("compute: forward + logits + sample (the GPU's work on the H200); host: total - compute;\n"
+    print("compute: forward + logits + sample (+ upload: the restore's copy), the GPU's work on the H200;\n"
+          "host: total - compute; "
           "host_ttft: the same up to the token's emit (in _finish: before persist, after sched_finish);\n"
           "step_host: runner.step - compute; graph_stage: PrefillGraphs.run - compute; indented phases are\n"
           "inside the one above; other: host - the top-level phases (the loop, tier flushes, emitting)")

@@ -579,8 +579,8 @@ class Engine:
             # gathered on the device now, ahead of any step that could reuse them.
             self.tiers.persist(pages)
 
-    def _named_pages(self, seq: Sequence, table: list[int]) -> list[tuple[int, bytes, tuple[int, ...], bytes | None]]:
-        """(page, name, tokens, parent name) of the named pages of ``table``, ``seq``'s block table."""
+    def _named_pages(self, seq: Sequence, table: list[int]) -> list[tuple[int, bytes, bytes, bytes | None]]:
+        """(page, name, packed tokens, parent name) of the named pages of ``table``, ``seq``'s block table."""
         pages, names, named = [], seq.block_names, self.blocks.named
         for i, page in enumerate(table):
             entry = named(page)

@@ -79,8 +79,7 @@ def test_tenants_never_share_pages():
 
 
 def test_a_hash_collision_is_a_miss(monkeypatch):
-    # every block gets the same (colliding) name, whether named one by one or in a run
-    monkeypatch.setattr("qml_runtime.scheduler.block_hash", lambda parent, tokens, fp, salt: b"x" * 32)
+    # every block gets the same (colliding) name (the scheduler names blocks in runs)
     monkeypatch.setattr("qml_runtime.scheduler.chain_packed",
                         lambda data, block_size, fp, salt, start: [b"x" * 32] * (len(data) // (4 * block_size)))
     sched = make()

@@ -9,10 +9,11 @@ on the GPU between turns for as long as memory allows, and the next turn finds i
 name. Pages of conversations that asked for retention (a session id) wait in a second
 LRU list that is only drawn on once the first is empty.
 
-A page's tokens are kept twice: as a tuple (what the lower tiers take when it is evicted or
-kept) and packed (``kv.prefix.pack``). A new turn over a 27k-token history finds its ~1,700
-pages by name and checks all their tokens with one comparison of the joined packed bytes
-(~0.03 ms), rather than a tuple built and compared per block (~0.3 ms).
+A page's tokens are kept packed (``kv.prefix.pack``), and handed so to the lower tiers when it
+is evicted or kept. A new turn over a 27k-token history finds its ~1,700 pages by name and checks
+all their tokens with one comparison of the joined packed bytes (~0.03 ms), rather than a tuple
+built and compared per block (~0.3 ms); pages restored from the tiers below are registered from
+the turn's packed tokens (``register_run``), without a tuple per block either.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
-from qml_runtime.kv.prefix import TOKEN_BYTES, pack
+from qml_runtime.kv.prefix import TOKEN_BYTES, as_packed
 
 
 class BlockManager:
@@ -28,15 +29,14 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref = [0] * num_blocks
         self._name: list[bytes | None] = [None] * num_blocks
-        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self._packed: list[bytes | None] = [None] * num_blocks  # the same tokens, packed
+        self._packed: list[bytes | None] = [None] * num_blocks  # its tokens, packed
         self._by_name: dict[bytes, int] = {}
         # free pages, oldest first: cached pages are evicted in LRU order, empty ones first;
         # retained ones (sessions) only when no other free page is left
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._retained: OrderedDict[int, None] = OrderedDict()
-        # called with (page, name, tokens) just before a cached page is overwritten (spill to a lower tier)
-        self.on_evict: Callable[[int, bytes, tuple[int, ...]], None] | None = None
+        # called with (page, name, packed tokens) just before a cached page is overwritten (spill to a lower tier)
+        self.on_evict: Callable[[int, bytes, bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -70,9 +70,9 @@ class BlockManager:
         name = self._name[page]
         if name is not None:
             if self.on_evict is not None:
-                self.on_evict(page, name, self._tokens[page])
+                self.on_evict(page, name, self._packed[page])
             del self._by_name[name]
-            self._name[page] = self._tokens[page] = self._packed[page] = None
+            self._name[page] = self._packed[page] = None
         self.ref[page] = 1
         return page
 
@@ -89,11 +89,11 @@ class BlockManager:
 
     # --- prefix cache -----------------------------------------------------------------
 
-    def lookup(self, name: bytes, tokens: tuple[int, ...]) -> int | None:
-        """The page cached under ``name`` if its tokens are ``tokens`` (a hash collision is a miss):
-        one block (the scheduler looks a whole history up at once, ``lookup_run``)."""
+    def lookup(self, name: bytes, tokens) -> int | None:
+        """The page cached under ``name`` if its tokens are ``tokens`` (packed, or the ids; a hash collision
+        is a miss): one block (the scheduler looks a whole history up at once, ``lookup_run``)."""
         page = self._by_name.get(name)
-        if page is None or self._tokens[page] != tokens:
+        if page is None or self._packed[page] != as_packed(tokens):
             return None
         return page
 
@@ -118,16 +118,27 @@ class BlockManager:
                 (free if page in free else retained).pop(page)
             ref[page] += 1
 
-    def register(self, page: int, name: bytes, tokens: tuple[int, ...], packed: bytes | None = None) -> None:
-        """Name a full, computed page (``packed``: its tokens packed, if the caller has them).
-        If another page already holds this content, keep that one."""
-        if name in self._by_name or self._name[page] is not None:
-            return
-        self._by_name[name] = page
-        self._name[page], self._tokens[page] = name, tokens
-        self._packed[page] = pack(tokens) if packed is None else bytes(packed)
+    def register(self, page: int, name: bytes, tokens) -> None:
+        """Name a full, computed page; ``tokens``: packed, or the ids. If another page already holds this
+        content, keep that one."""
+        self.register_run([page], [name], as_packed(tokens))
 
-    def named(self, page: int) -> tuple[bytes, tuple[int, ...]] | None:
-        """(name, tokens) of a registered page, else None."""
+    def register_run(self, pages: list[int], names: list[bytes], packed: bytes | bytearray) -> None:
+        """``register`` page i under ``names[i]`` with the tokens of ``packed``'s block i, for each i (a
+        turn's restored history: ~1,700 pages)."""
+        B = self.block_size * TOKEN_BYTES
+        if len(packed) != len(pages) * B or len(names) != len(pages):
+            raise ValueError(f"{len(pages)} pages, {len(names)} names, {len(packed)} bytes of tokens")
+        packed = bytes(packed)  # (its slices are then bytes: immutable, as kept)
+        by_name, page_name, page_packed = self._by_name, self._name, self._packed
+        for i, (page, name) in enumerate(zip(pages, names)):
+            if name in by_name or page_name[page] is not None:
+                continue
+            by_name[name] = page
+            page_name[page] = name
+            page_packed[page] = packed[i * B:(i + 1) * B]
+
+    def named(self, page: int) -> tuple[bytes, bytes] | None:
+        """(name, packed tokens) of a registered page, else None."""
         name = self._name[page]
-        return None if name is None else (name, self._tokens[page])
+        return None if name is None else (name, self._packed[page])

@@ -34,6 +34,16 @@ def pack(tokens: Iterable[int]) -> bytes:
     return array("I", tokens).tobytes()
 
 
+def as_packed(tokens: bytes | bytearray | Iterable[int]) -> bytes | bytearray:
+    """``tokens`` packed: bytes are taken as packed already, anything else as the token ids."""
+    return tokens if isinstance(tokens, (bytes, bytearray)) else pack(tokens)
+
+
+def unpack(data: bytes | bytearray) -> list[int]:
+    """The token ids of ``pack``'s bytes (for the disk store, which takes ids)."""
+    return array("I", data).tolist()
+
+
 def block_hash(parent: bytes, tokens: Iterable[int], fingerprint: bytes, salt: bytes) -> bytes:
     h = hashlib.sha256()
     # lengths first, so no concatenation of (salt, fingerprint) can be read two ways

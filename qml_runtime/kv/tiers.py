@@ -2,8 +2,8 @@
 
 Down: a finished request's pages get host RAM slots when it ends (``persist``; copied down in
 chunks between steps by ``pump``), and a cached GPU page about to be reused is copied there if
-it is not there yet; a host page pushed out of its budget goes to disk. A finished request's pages are also written through to disk
-in the background, so a conversation survives a restart.
+it is not there yet; a host page pushed out of its budget goes to disk. A finished request's
+pages are also written through to disk in the background, so a conversation survives a restart.
 
 Up: when a request's prompt runs past the pages cached on the GPU, the next blocks are
 looked up by name in host RAM, then on disk, and copied into fresh GPU pages, as far as
@@ -25,6 +25,9 @@ Copies are batched and ordered on CUDA streams, never one synchronous copy per p
   scattered into the pages on the compute stream;
 - disk reads run on a loader thread into pinned memory while the GPU works: with a split
   plan the engine recomputes the head of the history while the tail streams in.
+
+Blocks' tokens travel packed (``kv.prefix.pack``), as the GPU pages and the host tier keep them;
+the disk store is handed the ids (``unpack``) when a block is written or read.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.disk_store import RATES_NAME, DiskStore
 from qml_runtime.kv.host_tier import HostTier
 from qml_runtime.kv.planner import Plan, RestorePlanner
+from qml_runtime.kv.prefix import unpack
 
 log = logging.getLogger("qml.kv.tiers")
 
@@ -82,7 +87,7 @@ class PendingLoad:
     end: int
     pages: list[int]
     names: list[bytes]
-    tokens: list[tuple[int, ...]]
+    tokens: list[bytes]
     tiers: list[str]
     dest: list  # per block: a host-tier slot (int) it is read into, a host row tensor, or None (a host block)
     futures: list[Future]  # each -> {block index: read ok} for its share of the disk blocks
@@ -126,8 +131,8 @@ class KVTiers:
         self._deferred_slots: dict[int, int] = {}
         self._pump_done = None  # the event after the last chunk pump queued
         self.pump_pages = max(1, PUMP_BYTES // self.block_bytes)
-        # with no host tier: (page, name, tokens) spilled straight to disk, not yet gathered
-        self._pending_disk: list[tuple[int, bytes, tuple[int, ...]]] = []
+        # with no host tier: (page, name, packed tokens) spilled straight to disk, not yet gathered
+        self._pending_disk: list[tuple[int, bytes, bytes]] = []
         # host slot -> the copy filling it (may still run). A slot filled again maps to the newer copy,
         # which runs after the older one on the same side stream, so waiting on it covers both.
         self._slot_events: dict[int, object] = {}
@@ -146,7 +151,7 @@ class KVTiers:
 
     # --- down -------------------------------------------------------------------------
 
-    def spill(self, page: int, name: bytes, tokens: tuple[int, ...]) -> None:
+    def spill(self, page: int, name: bytes, tokens: bytes) -> None:
         """A cached GPU page is about to be reused: keep its content in host RAM (or on disk).
         The copy happens at the next ``flush_spills``, before the step that reuses the page."""
         if page in self._deferred:  # kept when its request ended, not copied yet: now it must be
@@ -159,10 +164,14 @@ class KVTiers:
         if self.disk is not None and not self.disk.contains(name):
             self._pending_disk.append((page, name, tokens))
 
-    def _queue_host_copy(self, page: int, name: bytes, tokens: tuple[int, ...], defer: bool = False) -> bool:
+    def _queue_host_copy(self, page: int, name: bytes, tokens: bytes, defer: bool = False) -> bool:
         """Reserve a host slot for ``page`` (named ``name``) and queue its copy down for the next
         ``flush_spills`` (``defer``: for ``pump``); False when the name is in host RAM already or
         no slot is free."""
+        # the usual case first, in one call: the page is in host RAM already (kept when its request ended;
+        # a turn that restores a 27k-token history evicts ~1,700 such pages, and keeps as many at its end)
+        if self.host.touch(name):
+            return False
         slot = self._reserve_host(name, tokens)
         if slot is not None and defer:
             self._deferred[page] = slot
@@ -207,7 +216,7 @@ class KVTiers:
         self._pump_done = self._slot_events.get(slot)
         return bool(self._deferred)
 
-    def _reserve_host(self, name: bytes, tokens: tuple[int, ...]) -> int | None:
+    def _reserve_host(self, name: bytes, tokens: bytes) -> int | None:
         """A host slot for ``name``; what it evicts goes to disk first."""
         slot, evicted = self.host.reserve(name, tokens)
         for old_name, old_tokens, old_slot in evicted:
@@ -279,8 +288,8 @@ class KVTiers:
                 for _, s in batch:
                     self._slot_events[s] = done
 
-    def persist(self, pages: list[tuple[int, bytes, tuple[int, ...], bytes | None]]) -> None:
-        """Keep a finished request's named pages (page, name, tokens, parent name): copied to host RAM
+    def persist(self, pages: list[tuple[int, bytes, bytes, bytes | None]]) -> None:
+        """Keep a finished request's named pages (page, name, packed tokens, parent name): copied to host RAM
         (on the side stream: in chunks between steps with ``defer_persist``, else now), and written
         through to disk in the background.
 
@@ -310,7 +319,7 @@ class KVTiers:
                 return
             self._write_through([p for p, _, _, _ in chunk], [(n, t, parent) for _, n, t, parent in chunk])
 
-    def _write_through(self, pages: list[int], blocks: list[tuple[bytes, tuple[int, ...], bytes | None]]) -> None:
+    def _write_through(self, pages: list[int], blocks: list[tuple[bytes, bytes, bytes | None]]) -> None:
         """Gather pages on the device now (they may be reused by the next step) and hand the buffer
         to the writer, which copies it down and writes the files: the engine thread only launches."""
         staging = self._gather(pages)
@@ -344,7 +353,7 @@ class KVTiers:
         event.record(self._copy_stream)
         return event
 
-    def _queue_disk_write(self, name: bytes, tokens: tuple[int, ...], data: torch.Tensor,
+    def _queue_disk_write(self, name: bytes, tokens: bytes, data: torch.Tensor,
                           parent: bytes | None, ready) -> None:
         """``data`` is a host tensor the writer owns from now on (valid once ``ready`` has passed);
         ``parent`` the previous page's name where the caller knows it."""
@@ -369,9 +378,9 @@ class KVTiers:
             finally:
                 self._writes.task_done()
 
-    def _write_one(self, name: bytes, tokens: tuple[int, ...], data: torch.Tensor, parent: bytes | None) -> None:
+    def _write_one(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None) -> None:
         # queued twice before the first landed: one write is enough (and counts once)
-        if not self.disk.contains(name) and self.disk.put(name, parent, list(tokens), data):
+        if not self.disk.contains(name) and self.disk.put(name, parent, unpack(tokens), data):
             self.stats.written_disk += 1  # put never raises: a failed write is a later miss
 
     def _write_pages(self, staging: torch.Tensor, ready, blocks: list) -> None:
@@ -466,13 +475,29 @@ class KVTiers:
 
     # --- up ---------------------------------------------------------------------------
 
-    def locate(self, name: bytes, tokens: tuple[int, ...]) -> str | None:
-        """Which tier holds this block: "host", "disk", or None."""
+    def locate(self, name: bytes, tokens) -> str | None:
+        """Which tier holds this block: "host", "disk", or None (``tokens``: packed, or the ids)."""
         if self.host is not None and self.host.find(name, tokens) is not None:
             return "host"
         if self.disk is not None and self.disk.contains(name):
             return "disk"
         return None
+
+    def locate_run(self, names: list[bytes], packed: bytes | bytearray) -> list[str]:
+        """``locate`` for block i under ``names[i]`` with the tokens of ``packed``'s block i, for each i up
+        to the first found in no tier: the tiers of that run. Its leading host blocks are found in
+        one pass (``HostTier.find_run``); from the first other block on, one by one."""
+        if not names:
+            return []
+        B = len(packed) // len(names)
+        n = len(self.host.find_run(names, packed)) if self.host is not None else 0
+        where = ["host"] * n
+        for i in range(n, len(names)):
+            tier = self.locate(names[i], packed[i * B:(i + 1) * B])
+            if tier is None:
+                break
+            where.append(tier)
+        return where
 
     def plan(self, tiers: Sequence[str], block_tokens: int, start: int = 0) -> Plan:
         plan = self.planner.plan(tiers, self.block_bytes, block_tokens, start)
@@ -493,23 +518,19 @@ class KVTiers:
         n = p.prefill_curve[-1][0]
         return f"{n / p.prefill_seconds(0, n):.0f} tok/s at {n} tokens (x{p.prefill_scale:.2f} of the start-up curve)"
 
-    def restore_host(self, blocks: list[tuple[bytes, tuple[int, ...]]], pages: list[int]) -> int:
-        """Copy host blocks (name, tokens) into ``pages``, in order; returns how many were found
-        (the first missing one and those after it are not copied)."""
-        slots = []
-        for name, tokens in blocks:
-            slot = self.host.find(name, tokens)
-            if slot is None:
-                break
-            slots.append(slot)
+    def restore_host(self, names: list[bytes], packed: bytes | bytearray, pages: list[int]) -> int:
+        """Copy host blocks into ``pages``, in order: block i under ``names[i]`` with the tokens of
+        ``packed``'s block i. Returns how many were found (the first missing one and those after it
+        are not copied)."""
+        slots = self.host.find_run(names, packed)
         if slots:
             self._upload(pages[:len(slots)], [(self.host.slots, i, s, n) for i, s, n in _runs(slots)])
             self.stats.restored_host += len(slots)
         return len(slots)
 
-    def start_load(self, blocks: list[tuple[str, bytes, tuple[int, ...]]], pages: list[int], start: int,
+    def start_load(self, blocks: list[tuple[str, bytes, bytes]], pages: list[int], start: int,
                    end: int) -> PendingLoad:
-        """Stream blocks (tier, name, tokens) in: disk blocks are read by loader threads into host-tier
+        """Stream blocks (tier, name, packed tokens) in: disk blocks are read by loader threads into host-tier
         slots held for them (pinned memory, and the blocks stay in host RAM afterwards), or into
         plain host rows when there is no host tier; host blocks are copied from their slots when the
         load is applied."""
@@ -549,7 +570,7 @@ class KVTiers:
         ok, t0 = {}, time.perf_counter()
         for i, name, toks, dest in part:
             out = self.host.slots[dest] if isinstance(dest, int) else dest
-            ok[i] = self.disk.get_into(name, list(toks), out)
+            ok[i] = self.disk.get_into(name, unpack(toks), out)
             if not ok[i]:
                 break
         read = sum(ok.values())
@@ -725,12 +746,11 @@ class _Nothing:
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """(position, first slot, length) of the runs of consecutive slots: one copy per run."""
-    runs = []
-    for i, s in enumerate(slots):
-        if runs and runs[-1][1] + runs[-1][2] == s:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((i, s, 1))
-    return runs
+    """(position, first slot, length) of the runs of consecutive slots: one copy per run. (Where the
+    slots break, found with numpy: 1,700 slots in one run took 0.2 ms one by one, 0.03 so.)"""
+    if not slots:
+        return []
+    starts = (np.flatnonzero(np.diff(np.array(slots)) != 1) + 1).tolist()
+    bounds = [0, *starts, len(slots)]
+    return [(a, slots[a], b - a) for a, b in zip(bounds, bounds[1:])]
 
