@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import triton
+from gemv_h200 import graph_us  # beside this script: weight copies cycled inside a CUDA graph
 
 from qml_kernels import moe_decode as md
 from qml_kernels.moe_decode import MoEDecodeConfig, moe_decode_ref, moe_decode_triton
@@ -34,32 +35,6 @@ from qml_kernels.moe_routing import moe_align_triton, moe_router_triton
 
 E, TOP_K, D, FFN = 128, 8, 2048, 768
 EXPERT_BYTES = 3 * FFN * D * 2
-
-
-def graph_us(fn_for, layers: int, reps: int = 4) -> float:
-    """GPU time per call of ``fn_for(i)`` over the layers, replayed from a CUDA graph (median of 5)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(layers):
-            fn_for(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for i in range(layers):
-                fn_for(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (reps * layers))
-    return sorted(times)[2]
 
 
 def grid():

@@ -3,7 +3,6 @@ against its reference and ``moe_forward``'s grouped path (interpreter on CPU), a
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -21,7 +20,7 @@ from qml_kernels.moe_decode import (
     moe_decode_triton,
 )
 from qml_kernels.moe_gemm import moe_forward_ref
-from qml_kernels.workbench.compile import compile_checks
+from qml_kernels.workbench.compile import assert_compiled_for_hopper
 from qml_kernels.workbench.spec import Case
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -183,16 +182,8 @@ COMPILE_VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def compile_reports() -> dict:
-    return dict(zip(COMPILE_VARIANTS, (dataclasses.asdict(r) for r in compile_checks(list(COMPILE_VARIANTS.values())))))
-
-
 @pytest.mark.parametrize("name", COMPILE_VARIANTS)
 def test_compiles_for_hopper(compile_reports, name):
-    report = compile_reports[name]
-    assert report["ok"], report["error"]
-    assert ".target sm_90a" in report["ptx"]
-    assert report["spills"] in (0, None), f"{name}: {report['spills']} spill bytes"
+    report = assert_compiled_for_hopper(compile_reports[name], name)
     # the weight streams are read 16 bytes a thread (8 bf16): the vector width a stream needs
-    assert "ld.global.v4" in report["ptx"] or "ld.global.nc.v4" in report["ptx"], f"{name}: no 128-bit loads"
+    assert "ld.global.v4" in report.ptx or "ld.global.nc.v4" in report.ptx, f"{name}: no 128-bit loads"
