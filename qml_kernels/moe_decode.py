@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qml_kernels.moe_routing import _FLOAT_DTYPES, _route_tile, draw_expert_ids, moe_router
+from qml_kernels.moe_routing import _FLOAT_DTYPES, _route_tile, draw_expert_ids, moe_router, moe_router_ref
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
@@ -227,8 +227,6 @@ def moe_decode_ref(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torc
                    top_k: int, renormalize: bool) -> torch.Tensor:
     """The same FFN as a loop over tokens and their experts in fp32 (h rounded to x's dtype, as the
     kernels store it): [T, D] in x.dtype."""
-    from qml_kernels.moe_routing import moe_router_ref
-
     weights, ids = moe_router_ref(router_logits, top_k, renormalize)
     ffn = w_gate_up.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
