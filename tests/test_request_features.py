@@ -20,7 +20,8 @@ from qml_runtime.kv.cache import KVCache
 from qml_runtime.logits import apply_penalties
 from qml_runtime.sampling_params import SamplingParams
 from qml_server import create_app
-from tests.test_server_api import assert_error, openai_client, serve_in_thread, sse_payloads
+from tests.test_server_api import assert_error, openai_client, sse_payloads
+from tests.test_server_connections import serve_in_thread
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 REPEATS = [{"role": "user", "content": "Count: one one one one one"}]

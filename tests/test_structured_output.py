@@ -23,7 +23,8 @@ from qml_runtime.sampling_params import InvalidParameter, SamplingParams
 from qml_server import create_app
 from qml_server.tools import TOOLS_PROMPT, ToolCallStream, ToolUse, parse_tool_calls, prompt_messages
 from tests.fake_engine import FakeEngine
-from tests.test_server_api import assert_error, openai_client, serve_in_thread, sse_payloads
+from tests.test_server_api import assert_error, openai_client, sse_payloads
+from tests.test_server_connections import serve_in_thread
 
 CHAT = "/v1/chat/completions"
 PERSON = {
