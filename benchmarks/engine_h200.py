@@ -201,14 +201,14 @@ def section_transformers(args, device) -> None:
 
 # --- engine ----------------------------------------------------------------------------------
 
-def _served_engine(args, device, kv_host_gib: float = 0):
+def _served_engine(args, device, kv_host_gib: float = 0, **tiers):
     """The preset's engine as the engine sections measure it (random weights, no host tier unless
-    ``kv_host_gib``)."""
+    ``kv_host_gib``, no disk tier unless ``tiers`` name one)."""
     from qml_runtime.loader import load_engine
 
     return load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
                        kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
-                       kv_host_gib=kv_host_gib, progress=False)
+                       kv_host_gib=kv_host_gib, progress=False, **tiers)
 
 
 def _timed_request(engine, ids: list[int], params: SamplingParams, tokens: list[int] | None = None) -> list[float]:
@@ -481,11 +481,17 @@ def section_prefillprobe(args, device) -> None:
 def section_hostturn(args, device) -> None:
     """A 219-token turn over a 27k-token history pushed into host RAM (the sessions bench's host
     case, in-process): the engine loop's split (schedule / step / post) and a profile of the turn."""
+    import tempfile
+
+    from loop_profile import TurnProfile  # beside this script
     from torch.profiler import ProfilerActivity, profile
 
     # the sessions bench's GPU pool (--kv-cache-gib 10), more host RAM: the turns here must not fill it
-    engine = _served_engine(args, device, kv_host_gib=5 * args.kv_cache_gib)
+    disk = tempfile.mkdtemp(prefix="qml-hostturn-") if args.kv_disk_gib else None
+    engine = _served_engine(args, device, kv_host_gib=5 * args.kv_cache_gib, kv_disk_dir=disk,
+                            kv_disk_gib=args.kv_disk_gib or None)
     engine.start()
+    turn_prof = TurnProfile() if args.profile_turn else None
     V = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(6)
     one = SamplingParams(max_tokens=1, temperature=0.0)
@@ -500,7 +506,15 @@ def section_hostturn(args, device) -> None:
             _timed_request(engine, torch.randint(300, V, (other,), generator=gen).tolist(), one)
         hist = hist + torch.randint(300, V, (219,), generator=gen).tolist()
         was, restored = _loop_counters(engine), engine.tiers.stats.restored_host
-        if i == 2 and device.type == "cuda":
+        # what is still on its way down when the turn arrives: kept pages not yet pumped, disk writes queued
+        backlog = {"deferred_pages": engine.tiers.deferred,
+                   "pending_write_gib": round(engine.tiers._pending_write_bytes / 2**30, 2)}
+        if i == 0 and turn_prof is not None:  # the first turn after the burst: where its host time goes
+            with turn_prof.turn():
+                t = _timed_request(engine, hist, one)[0] * 1e3
+            text = turn_prof.dump(args.out / f"hostturn-turn1-cprofile{'-disk' if disk else ''}.txt", 45)
+            print(text[:6000], flush=True)
+        elif i == 2 and device.type == "cuda":
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 t = _timed_request(engine, hist, one)[0] * 1e3
             (args.out / "hostturn-profile.txt").write_text(
@@ -515,7 +529,9 @@ def section_hostturn(args, device) -> None:
         st = engine.tiers.stats
         turns.append({"ttft_ms": round(t, 2), "restored_pages": st.restored_host - restored,
                       "spilled_host": st.spilled_host, "kept_host": st.kept_host,
-                      "steps": now["steps"] - was["steps"], "loop_ms": split, "rates": engine.tiers.planner.rates()})
+                      "steps": now["steps"] - was["steps"], "loop_ms": split, "backlog": backlog,
+                      "written_disk": st.written_disk, "persist_skipped": st.persist_skipped,
+                      "rates": engine.tiers.planner.rates()})
         print("host turn:", turns[-1], flush=True)
     record("hostturn", turns=turns)
     engine.shutdown()
@@ -534,18 +550,30 @@ def section_gputurn(args, device) -> None:
     one = SamplingParams(max_tokens=1, temperature=0.0)
     hist = torch.randint(300, V, (min(27120, engine.context_length // 2),), generator=gen).tolist()
     _timed_request(engine, hist, one)
+    from loop_profile import TurnProfile  # beside this script
+
+    turn_prof = TurnProfile() if args.profile_turn else None
     results = {}
     for new in (219, 150):
-        times = []
+        times, splits = [], []
         for _ in range(3):
             hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
+            was = _loop_counters(engine)
             times.append(round(_timed_request(engine, hist, one)[0] * 1e3, 2))
+            now = _loop_counters(engine)  # the TTFT outside these is submit, wake-up and emit
+            splits.append({k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post", "launch")})
+        if turn_prof is not None:
+            hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
+            with turn_prof.turn():
+                _timed_request(engine, hist, one)
+            turn_prof.dump(args.out / f"gputurn-{new}-cprofile.txt", 45)
+            turn_prof.prof.clear()
         hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
         cuda = device.type == "cuda"
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             wall = _timed_request(engine, hist, one)[0] * 1e3
         rows = _kernel_rows(prof, cuda)
-        results[str(new)] = {"ttft_ms": times, "profiled_ttft_ms": round(wall, 2),
+        results[str(new)] = {"ttft_ms": times, "loop_ms": splits, "profiled_ttft_ms": round(wall, 2),
                              "gpu_ms": round(sum(r[2] for r in rows), 2),
                              "top": [{"kernel": k[:90], "calls": c, "ms": round(ms, 3)} for k, c, ms in rows[:12]]}
         print(f"gpu turn {new}:", json.dumps(results[str(new)]), flush=True)
@@ -652,6 +680,10 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=0, help="transformers check: first N layers only")
     parser.add_argument("--profile-loop", action="store_true",
                         help="run each engine's loop thread under cProfile; its stats go to OUT/loop-*.txt")
+    parser.add_argument("--profile-turn", action="store_true",
+                        help="hostturn, gputurn: cProfile of one turn's loop iterations (OUT/*-cprofile*.txt)")
+    parser.add_argument("--kv-disk-gib", type=float, default=0,
+                        help="hostturn: a disk tier of this size in a temporary directory, as the server's")
     args = parser.parse_args()
     args.sizes = [int(s) for s in args.sizes.split(",")]
     device = torch.device(args.device)

@@ -38,3 +38,52 @@ def profile_engine_loops(out: Path) -> None:
             (out / "loop-callees.txt").write_text(text.getvalue())
 
     engine_mod.Engine._loop = profiled
+
+
+class TurnProfile:
+    """cProfile of the engine thread's loop iterations only while ``on`` is set (one turn, not the
+    prompts around it): ``with prof.turn(): ...`` around a request, then ``prof.dump(path)``."""
+
+    def __init__(self):
+        import cProfile
+        import threading
+
+        from qml_runtime import engine as engine_mod
+
+        self.on = threading.Event()
+        self.prof = cProfile.Profile()
+        iterate = engine_mod.Engine._iterate
+        prof, on = self.prof, self.on
+
+        def profiled(engine, inflight):
+            if not on.is_set():
+                return iterate(engine, inflight)
+            prof.enable()
+            try:
+                return iterate(engine, inflight)
+            finally:
+                prof.disable()
+
+        engine_mod.Engine._iterate = profiled
+
+    def turn(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            self.on.set()
+            try:
+                yield
+            finally:
+                self.on.clear()
+        return scope()
+
+    def dump(self, path: Path, lines: int = 60) -> str:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        for key in ("cumulative", "tottime"):
+            pstats.Stats(self.prof, stream=text).sort_stats(key).print_stats(lines)
+        path.write_text(text.getvalue())
+        return text.getvalue()
