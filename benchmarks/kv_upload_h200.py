@@ -8,6 +8,8 @@ history is 1,708 pages. Measures, with the bytes checked after each variant:
 - ``zero-copy``: ``qml_kernels.page_copy`` reading the pinned rows in place, by program count;
 - per layer: 32 launches of one layer each (what a restore overlapped with the prefill issues);
 - overlap: the per-layer copies on a side stream beside a stream of GEMMs standing in for the prefill.
+``--sections save``: the other way, kept pages into pinned host rows (``qml_kernels.page_save``
+against a device gather and one D2H copy), alone and beside GEMMs.
 Also times the turn's attention (219 queries over 27k cached keys) by prefill-attention config.
 """
 
@@ -147,6 +149,66 @@ def upload_section(results: dict) -> None:
                      "both_ms": round(s_both * 1e3, 2)})
         print(rows[-1], flush=True)
     results["upload"] = rows
+
+
+def save_section(results: dict) -> None:
+    """The other way: 1,708 kept pages from the pool into pinned host rows. ``page_save`` writes the
+    rows in place by program count, against the gathered path (device staging, then one D2H copy),
+    alone and beside a stream of GEMMs standing in for a long prefill (how much each slows it)."""
+    from qml_kernels.page_copy import page_save_triton
+
+    dev = torch.device("cuda")
+    cfg = PRESETS["llama-3.1-8b"].config
+    P, N, n = 2048, 1800, 1708
+    kv = KVCache(cfg, P, 16, dev, torch.bfloat16)
+    kv.data.normal_()
+    host = HostTier(kv.block_bytes, N * kv.block_bytes, pin=True)
+    pool, table = kv.chunk_views(host.slots)
+    gen = torch.Generator().manual_seed(1)
+    pages, slots = torch.randperm(P, generator=gen)[:n], torch.randperm(N, generator=gen)[:n]
+    pages_d, slots_d = pages.to(dev), slots.to(dev)
+    nbytes = n * kv.block_bytes
+    want = kv.gather_pages(pages_d).cpu()
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+
+    def gemms():
+        for _ in range(120):
+            a @ b
+
+    def staged_copy():  # what flush_spills does: gather on the device, one D2H copy per run
+        staging = kv.gather_pages(pages_d, settle=False)
+        down = host.slots[:n]
+        down.copy_(staging, non_blocking=True)
+
+    variants = {"gathered+D2H": staged_copy}
+    for programs in (8, 16, 32):
+        config = PageCopyConfig(num_programs=programs)
+        variants[f"page_save/p{programs}"] = (
+            lambda config=config: page_save_triton(table, slots_d, pool, pages_d, config=config))
+    rows = []
+    s_gemm = timed(gemms)
+    for name, fn in variants.items():
+        host.slots.zero_()
+        s_copy = timed(fn)
+        ok = None
+        if name.startswith("page_save"):
+            ok = torch.equal(host.slots[slots], want)
+            assert ok, f"{name}: rows differ from their pages"
+
+        def both(fn=fn):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            gemms()
+            torch.cuda.current_stream().wait_stream(side)
+
+        s_both = timed(both)
+        rows.append({"variant": name, "ms": round(s_copy * 1e3, 2), "GB/s": round(nbytes / s_copy / 1e9, 1),
+                     "bytes_ok": ok, "gemms_ms": round(s_gemm * 1e3, 2), "both_ms": round(s_both * 1e3, 2)})
+        print(rows[-1], flush=True)
+    results["save"] = rows
 
 
 def turn_attention_section(results: dict, n_q: int = 219) -> None:
@@ -318,6 +380,8 @@ def main() -> int:
                 turn_attention_rule_section(results)
             elif name == "attention":
                 turn_attention_section(results, args.queries)
+            elif name == "save":
+                save_section(results)
             else:
                 upload_section(results)
         except Exception as exc:

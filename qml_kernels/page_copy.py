@@ -23,6 +23,10 @@ prefill running beside it.
 
 Traffic: reads ``n_pages x n_chunks x W`` elements over the host link and writes as many to HBM;
 no arithmetic. The same kernel copies device-to-device when the table is on the GPU.
+
+``page_save`` runs the same kernel the other way (``TO_ROWS``): pool pages into host rows, stored in
+place. The runtime copies a finished request's pages down to host RAM so (``KVTiers.pump``): no device
+staging buffer, and any number of pages per launch, so the copy can run beside a long prefill.
 """
 
 from __future__ import annotations
@@ -82,9 +86,9 @@ def page_copy_ref(dst: torch.Tensor, pages: torch.Tensor, src: torch.Tensor, slo
 # the counts, the chunk range and the grid change with every restore: specialising on them
 # (divisibility by 16, == 1, constexpr) would compile a variant for a request to wait on
 @triton.jit(do_not_specialize=["n_items", "chunk_lo", "n_chunks", "num_programs"])
-def _page_copy_kernel(dst_ptr, src_ptr, pages_ptr, slots_ptr, n_items, chunk_lo, n_chunks, num_programs,
-                      stride_dst_chunk, stride_dst_page, stride_src_row, stride_src_chunk,
-                      W: tl.constexpr, BLOCK: tl.constexpr):
+def _page_copy_kernel(pool_ptr, rows_ptr, pages_ptr, slots_ptr, n_items, chunk_lo, n_chunks, num_programs,
+                      stride_pool_chunk, stride_pool_page, stride_row, stride_row_chunk,
+                      W: tl.constexpr, BLOCK: tl.constexpr, TO_ROWS: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     for item in range(tl.program_id(0), n_items, num_programs):
         i = item // n_chunks
@@ -92,10 +96,27 @@ def _page_copy_kernel(dst_ptr, src_ptr, pages_ptr, slots_ptr, n_items, chunk_lo,
         # int64: a pool of several GB passes 2^31 elements
         page = tl.load(pages_ptr + i).to(tl.int64)
         slot = tl.load(slots_ptr + i).to(tl.int64)
-        d = dst_ptr + c * stride_dst_chunk + page * stride_dst_page
-        s = src_ptr + slot * stride_src_row + c * stride_src_chunk
+        p = pool_ptr + c * stride_pool_chunk + page * stride_pool_page
+        r = rows_ptr + slot * stride_row + c * stride_row_chunk
         for w in range(0, W, BLOCK):
-            tl.store(d + w + offs, tl.load(s + w + offs))
+            if TO_ROWS:  # page_save: pool -> rows (stores into pinned host memory are posted writes)
+                tl.store(r + w + offs, tl.load(p + w + offs))
+            else:  # page_copy: rows -> pool
+                tl.store(p + w + offs, tl.load(r + w + offs))
+
+
+def _launch(pool: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, chunk_lo: int,
+            chunk_hi: int, config: PageCopyConfig, to_rows: bool) -> None:
+    n_chunks = chunk_hi - chunk_lo
+    n_items = pages.numel() * n_chunks
+    if n_items == 0:
+        return
+    W = pool.shape[2]
+    programs = min(config.num_programs, n_items)
+    _page_copy_kernel[(programs,)](
+        pool, rows, pages, slots, n_items, chunk_lo, n_chunks, programs,
+        pool.stride(0), pool.stride(1), rows.stride(0), rows.stride(1),
+        W=W, BLOCK=config.block(W), TO_ROWS=to_rows, num_warps=config.num_warps)
 
 
 def page_copy_triton(dst: torch.Tensor, pages: torch.Tensor, src: torch.Tensor, slots: torch.Tensor,
@@ -107,16 +128,7 @@ def page_copy_triton(dst: torch.Tensor, pages: torch.Tensor, src: torch.Tensor, 
     chunk_hi = dst.shape[0] if chunk_hi is None else chunk_hi
     _check(dst, pages, src, slots, chunk_lo, chunk_hi)
     assert pages.device == dst.device == slots.device, "pages and slots live beside dst"
-    n_chunks = chunk_hi - chunk_lo
-    n_items = pages.numel() * n_chunks
-    if n_items == 0:
-        return dst
-    W = dst.shape[2]
-    programs = min(config.num_programs, n_items)
-    _page_copy_kernel[(programs,)](
-        dst, src, pages, slots, n_items, chunk_lo, n_chunks, programs,
-        dst.stride(0), dst.stride(1), src.stride(0), src.stride(1),
-        W=W, BLOCK=config.block(W), num_warps=config.num_warps)
+    _launch(dst, pages, src, slots, chunk_lo, chunk_hi, config, to_rows=False)
     return dst
 
 
@@ -174,4 +186,67 @@ PAGE_COPY_SPEC = register_spec(OpSpec(
     out_arg=None,
     launch_config=PageCopyConfig,
     notes="returns dst, written in place and compared whole: pages not named must keep their values.",
+))
+
+
+# --- page_save: the other direction, pool pages into (pinned) host rows ----------------------------
+
+def page_save_ref(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor,
+                  chunk_lo: int = 0, chunk_hi: int | None = None,
+                  config: PageCopyConfig | None = None) -> torch.Tensor:
+    """``rows[slots[i], c] = pool[c, pages[i]]`` for every i and ``chunk_lo <= c < chunk_hi``; returns rows."""
+    chunk_hi = pool.shape[0] if chunk_hi is None else chunk_hi
+    _check(pool, pages, rows, slots, chunk_lo, chunk_hi)
+    if pages.numel() == 0 or chunk_lo == chunk_hi:
+        return rows
+    got = pool[chunk_lo:chunk_hi, pages.to(pool.device).long()]  # [c, n, W]
+    rows[slots.to(rows.device).long(), chunk_lo:chunk_hi] = got.transpose(0, 1).to(rows.device)
+    return rows
+
+
+def page_save_triton(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor,
+                     chunk_lo: int = 0, chunk_hi: int | None = None,
+                     config: PageCopyConfig | None = None) -> torch.Tensor:
+    """``page_save_ref``'s copy in one launch; ``rows`` may be pinned host memory, written in place
+    (the runtime copies kept pages down to host RAM so, with no device staging buffer: the copy
+    can then run beside a prefill without holding GBs of device memory)."""
+    config = config or PageCopyConfig()
+    chunk_hi = pool.shape[0] if chunk_hi is None else chunk_hi
+    _check(pool, pages, rows, slots, chunk_lo, chunk_hi)
+    assert pages.device == pool.device == slots.device, "pages and slots live beside the pool"
+    _launch(pool, pages, rows, slots, chunk_lo, chunk_hi, config, to_rows=True)
+    return rows
+
+
+def _page_save_supports(rows, slots, pool, pages, *args, **kwargs) -> bool:
+    return rows.is_cuda or rows.is_pinned()
+
+
+register("page_save", "reference", page_save_ref)
+register("page_save", "triton", page_save_triton, supports=_page_save_supports)
+page_save = dispatch("page_save")
+
+
+def _make_save_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> dict:
+    copy = _make_inputs(case, dtype, device, gen)  # the same shapes, the other way round
+    return {"rows": copy["src"], "slots": copy["slots"], "pool": copy["dst"], "pages": copy["pages"],
+            "chunk_lo": copy["chunk_lo"], "chunk_hi": copy["chunk_hi"]}
+
+
+def _save_bytes(inputs: dict) -> int:
+    chunks = inputs["chunk_hi"] - inputs["chunk_lo"]
+    return 2 * inputs["pages"].numel() * chunks * inputs["pool"].shape[2] * inputs["pool"].element_size()
+
+
+PAGE_SAVE_SPEC = register_spec(OpSpec(
+    op="page_save",
+    reference=page_save_ref,
+    make_inputs=_make_save_inputs,
+    cases=SMALL_CASES,
+    model_cases=MODEL_CASES,
+    bytes_moved=_save_bytes,
+    exact=True,
+    out_arg=None,
+    launch_config=PageCopyConfig,
+    notes="returns rows, written in place and compared whole: slots not named must keep their values.",
 ))

@@ -279,9 +279,9 @@ def test_kept_pages_go_down_in_chunks_between_steps(engine, expected, monkeypatc
     chunks = []
     pump = type(eng.tiers).pump
 
-    def counted(self):
+    def counted(self, *args, **kwargs):
         before = self.deferred
-        more = pump(self)
+        more = pump(self, *args, **kwargs)
         chunks.append(before - self.deferred)
         return more
 
@@ -308,7 +308,7 @@ def test_a_kept_page_evicted_before_its_copy_is_copied_as_a_spill(engine, expect
     copy ran. The next turn still restores the right bytes from host RAM or disk."""
     extra = {"disk_dir": str(tmp_path), "disk_bytes": 2**30} if disk else {}
     eng = sibling(engine, num_blocks=10, host_bytes=3 * 2**20 if disk else 64 * 2**20, **extra)  # disk: 4 slots
-    eng.tiers.pump = lambda: False  # the engine never copies kept pages down on its own
+    eng.tiers.pump = lambda *a, **k: False  # the engine never copies kept pages down on its own
     try:
         eng.tiers.defer_persist = True
         ids2, cacheable = turns(eng)

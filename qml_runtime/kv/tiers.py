@@ -12,6 +12,10 @@ the plan (``qml_runtime.kv.planner.RestorePlanner.plan``) says that beats comput
 Copies are batched and ordered on CUDA streams, never one synchronous copy per page
 (2 MiB pages of Llama-3.1-8B: a 27k-token history is ~1,700 of them):
 
+- a finished request's pages (kept, deferred) go down by ``pump``: the pinned host rows are written
+  in place by a kernel on a side stream (``qml_kernels.page_save``), between decode steps, while
+  idle, and beside a long prefill (as much as the link moves in half of it), so that a burst of
+  prompts leaves no backlog for the turn after it to copy while it restores;
 - spills are recorded while the scheduler evicts pages, then ``flush_spills`` gathers the
   pages on the GPU into one staging buffer (one kernel, on the compute stream, ahead of the
   step that overwrites them) and a side stream copies it down to the host slots while the
@@ -59,6 +63,11 @@ MAX_BATCH_PAGES = 512  # pages per gathered copy: bounds the GPU staging buffer 
 # once, between steps (``KVTiers.pump``): ~2.5 ms at 51 GB/s, the most a restore that arrives then
 # shares the link with
 PUMP_BYTES = 128 << 20
+# beside a prefill step, the pump queues what the link moves in this share of the step's expected time
+PUMP_SHARE = 0.5
+# the pump's in-place copies (page_save): a quarter of the restore's programs, as they run beside a
+# prefill that wants the SMs (stores to host memory are posted: few programs keep the link busy)
+SAVE_PROGRAMS = 16
 MAX_PENDING_WRITE_BYTES = 4 << 30  # gathered pages waiting for the disk writer; past it a persist is skipped
 BOUNCE_PAGES = 64  # the writer's pinned buffer between GPU staging and files (128 MiB at 2 MiB pages)
 LOADER_THREADS = 4  # parallel block reads: an NVMe drive wants several requests in flight
@@ -121,6 +130,9 @@ class KVTiers:
         self._in_place = self._cuda and host is not None and host.capacity > 0 and host.slots.is_pinned()
         if self._in_place:
             self._compile_page_copy()
+        # kept pages go down by page_save into the pinned rows (``_save_in_place``), else gathered
+        # into device staging and copied (``flush_spills``); tests set it on CPU (the reference copies)
+        self.save_in_place = self._in_place
         self._pending: list[tuple[int, int]] = []  # (page, host slot) spilled, not yet copied down
         # finished requests' pages kept in host RAM: a slot is reserved, the copy waits for ``pump``
         # (page -> slot, oldest first, and slot -> page). On the H200 a 3.5 GB restore beside a
@@ -130,6 +142,7 @@ class KVTiers:
         self._deferred: OrderedDict[int, int] = OrderedDict()
         self._deferred_slots: dict[int, int] = {}
         self._pump_done = None  # the event after the last chunk pump queued
+        self._saving: dict[int, object] = {}  # page -> the pump's in-place copy reading it (may still run)
         self.pump_pages = max(1, PUMP_BYTES // self.block_bytes)
         # with no host tier: (page, name, packed tokens) spilled straight to disk, not yet gathered
         self._pending_disk: list[tuple[int, bytes, bytes]] = []
@@ -157,6 +170,9 @@ class KVTiers:
         if page in self._deferred:  # kept when its request ended, not copied yet: now it must be
             self._pending.append((page, self._undefer(page)))
             return
+        saving = self._saving.pop(page, None)
+        if saving is not None and not saving.query():  # its copy down (pump) is queued, not yet run
+            torch.cuda.current_stream(self.kv.data.device).wait_event(saving)
         if self.host is not None and self.host.capacity > 0:
             if self._queue_host_copy(page, name, tokens):
                 self.stats.spilled_host += 1
@@ -198,23 +214,63 @@ class KVTiers:
         """Pages kept in host RAM whose copy down ``pump`` has not queued yet."""
         return len(self._deferred)
 
-    def pump(self) -> bool:
-        """Queue the next ``pump_pages`` deferred copies down, unless the link is busy: the chunk
-        queued before is still copying, or a restore is. True while deferred copies remain (the
-        engine calls again between steps, and polls while idle)."""
+    def pump(self, max_pages: int | None = None, beside_step: bool = False) -> bool:
+        """Queue the next deferred copies down (``max_pages``, one 128 MiB chunk by default), unless the
+        link is busy: a restore is in flight, or (between steps, not ``beside_step``) the chunk queued
+        before is still copying. True while deferred copies remain (the engine calls again between
+        steps, polls while idle, and before a long prefill passes ``beside_step`` with as many pages
+        as the link moves in about half of that step: ``pages_beside``)."""
         if not self._deferred:
             return False
-        if self._pump_done is not None and not self._pump_done.query():
+        if not beside_step and self._pump_done is not None and not self._pump_done.query():
             return True
         if self.kv.restoring or (self._restored is not None and not self._restored.query()):
             return True
-        for _ in range(min(self.pump_pages, len(self._deferred))):
-            page, slot = self._deferred.popitem(last=False)
+        batch = [self._deferred.popitem(last=False) for _ in range(min(max_pages or self.pump_pages,
+                                                                       len(self._deferred)))]
+        for _, slot in batch:
             del self._deferred_slots[slot]
-            self._pending.append((page, slot))
-        self.flush_spills()
-        self._pump_done = self._slot_events.get(slot)
+        if self.save_in_place:
+            self._save_in_place(batch)
+        else:
+            self._pending.extend(batch)
+            self.flush_spills()
+            self._pump_done = self._slot_events.get(batch[-1][1])
         return bool(self._deferred)
+
+    def pages_beside(self, seconds: float) -> int:
+        """Deferred pages ``pump`` may queue beside a step expected to take ``seconds``: the link's
+        measured rate for half of it, so that the copies have ended when a restore may come next."""
+        return int(PUMP_SHARE * seconds * self.planner.host_bytes_per_s / self.block_bytes)
+
+    def _save_in_place(self, batch: list[tuple[int, int]]) -> None:
+        """Pages into their host slots with ``qml_kernels.page_save`` on the side stream: the kernel
+        stores into the pinned rows directly, so no device staging is held however many pages go
+        (a gathered copy needed its size in device memory until the copy ran), and a long prefill
+        can have the whole backlog copied down beside it. Until the copy has run, a page evicted
+        for reuse makes the compute stream wait (``spill``) and a restore reading a slot waits for
+        it (``_slot_events``)."""
+        from qml_kernels.page_copy import PageCopyConfig, page_save
+
+        dev = self.kv.data.device
+        index = torch.tensor([[p for p, _ in batch], [s for _, s in batch]], dtype=torch.int64,
+                             pin_memory=self._cuda)
+        pool, table = self.kv.chunk_views(self.host.slots)
+        with self._side():
+            index = index.to(dev, non_blocking=self._cuda)
+            page_save(table, index[1], pool, index[0], config=PageCopyConfig(num_programs=SAVE_PROGRAMS))
+        if not self._cuda:  # (tests: the reference has copied already)
+            return
+        done = torch.cuda.Event()
+        done.record(self._copy_stream)
+        if len(self._slot_events) > 64 * MAX_BATCH_PAGES:  # forget copies that have finished
+            self._slot_events = {s: e for s, e in self._slot_events.items() if not e.query()}
+        if len(self._saving) > 64 * MAX_BATCH_PAGES:
+            self._saving = {p: e for p, e in self._saving.items() if not e.query()}
+        for page, slot in batch:
+            self._slot_events[slot] = done
+            self._saving[page] = done
+        self._pump_done = done
 
     def _reserve_host(self, name: bytes, tokens: bytes) -> int | None:
         """A host slot for ``name``; what it evicts goes to disk first."""

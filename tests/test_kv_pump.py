@@ -1,0 +1,98 @@
+"""Kept pages going down to host RAM (``KVTiers.pump``): written into the host rows in place
+(``qml_kernels.page_save``, no device staging), a chunk at a time between steps, and as much as
+the link moves in half a step beside a long prefill, so a burst of prompts leaves no backlog for the
+turn after it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qml_runtime.kv.cache import KVCache
+from qml_runtime.kv.host_tier import HostTier
+from qml_runtime.kv.tiers import PUMP_SHARE, KVTiers
+from qml_runtime.presets import PRESETS
+from qml_runtime.sampling_params import SamplingParams
+from tests.test_kv_tiers import GREEDY, expected, sibling, turns  # noqa: F401  (expected: a fixture)
+
+
+def _tiers(pages: int = 8, slots: int = 8) -> KVTiers:
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, pages, 4, "cpu", torch.float32)
+    kv.data.normal_()
+    tiers = KVTiers(kv, HostTier(kv.block_bytes, slots * kv.block_bytes, pin=False), None)
+    tiers.defer_persist = tiers.save_in_place = True  # the GPU's path (the reference copies on CPU)
+    return tiers
+
+
+def test_the_pump_writes_kept_pages_into_their_slots_without_a_gather(monkeypatch):
+    tiers = _tiers()
+    monkeypatch.setattr(tiers, "_gather", lambda *a, **k: pytest.fail("staged through a device gather"))
+    tiers.host.slots.fill_(7)
+    pages = [6, 2, 7, 0, 5]
+    tiers.persist([(p, b"name-%d" % p, (p,), None) for p in pages])
+    tiers.pump_pages = 2
+    assert tiers.pump() and tiers.deferred == 3  # one chunk between steps
+    assert not tiers.pump(max_pages=10, beside_step=True) and tiers.deferred == 0  # the rest beside a step
+    assert not tiers._pending  # nothing went the spill way
+    want = tiers.kv.gather_pages(torch.tensor(pages))
+    for i, p in enumerate(pages):
+        assert torch.equal(tiers.host.slots[tiers.host.find(b"name-%d" % p, (p,))], want[i])
+    assert bool((tiers.host.slots[len(pages):] == 7).all())  # other slots untouched
+
+
+def test_beside_a_step_the_pump_takes_what_the_link_moves_in_half_of_it():
+    tiers = _tiers()
+    tiers.planner.host_bytes_per_s = 10 * tiers.block_bytes  # ten pages a second
+    assert PUMP_SHARE == 0.5
+    assert tiers.pages_beside(1.0) == 5 and tiers.pages_beside(0.15) == 0
+    tiers.persist([(p, b"name-%d" % p, (p,), None) for p in range(7)])
+    tiers.pump_pages = 1
+    assert tiers.pump(tiers.pages_beside(1.0), beside_step=True) and tiers.deferred == 2
+
+
+def test_the_pump_waits_for_a_restore_even_beside_a_step():
+    tiers = _tiers()
+    tiers.persist([(p, b"name-%d" % p, (p,), None) for p in (1, 2)])
+    tiers.kv._restoring = ["event"] * tiers.kv.data.shape[0]  # a restore's layers still arriving
+    assert tiers.pump(8, beside_step=True) and tiers.deferred == 2
+    tiers.kv._restoring = None
+    assert not tiers.pump(8, beside_step=True) and tiers.deferred == 0
+
+
+def test_a_long_prefill_takes_the_backlog_down_beside_it(engine, expected, monkeypatch):  # noqa: F811
+    """The engine never pumps between steps here: only a long prompt's prefill does, so the finished
+    turn's kept pages reach host RAM during it. The next turn, its history evicted by more prompts,
+    comes back from host RAM with the same greedy reply as without a cache."""
+    eng = sibling(engine, num_blocks=12, host_bytes=64 * 2**20)
+    beside = []
+    pump = type(eng.tiers).pump
+
+    def recorded(self, max_pages=None, beside_step=False):
+        before = self.deferred
+        more = pump(self, max_pages, beside_step)
+        if beside_step:
+            beside.append((before, max_pages, self.deferred))
+        return more
+
+    monkeypatch.setattr(type(eng.tiers), "pump", recorded)
+    eng._pump = lambda: False  # no chunk between steps or while idle
+    try:
+        eng.tiers.defer_persist = eng.tiers.save_in_place = True
+        ids2, cacheable = turns(eng)
+        kept = eng.tiers.deferred
+        assert kept >= cacheable // 16 >= 2  # the first turn's pages wait for a copy
+        long = "Count with me: " + " ".join(str(i) for i in range(22))
+        ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": long}])
+        assert len(ids) >= 64
+        eng.generate_sync(ids, SamplingParams(max_tokens=1, temperature=0))
+        assert beside and beside[0][0] == kept and beside[0][1] > 0
+        assert beside[0][2] == 0 and not eng.tiers._pending  # all of it beside the prefill
+        for q in ("Describe the sea.", "What is a prime number?", "Tell me about Paris.", "Why is grass green?"):
+            eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": q}]), GREEDY)
+        restored = eng.tiers.stats.restored_host
+        out = eng.generate_sync(ids2, GREEDY)
+        assert out.cached_tokens == cacheable and out.token_ids == expected
+        assert eng.tiers.stats.restored_host > restored
+    finally:
+        eng.shutdown()
