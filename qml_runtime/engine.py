@@ -404,7 +404,7 @@ class Engine:
         chunks = ([(s.num_computed, n) for s, n in zip(batch.seqs, batch.num_tokens)]
                   if self.tiers is not None else [])
         pure_prefill = sum(n for _, n in chunks) >= 64 and all(n > 1 for _, n in chunks)
-        if pure_prefill and self.tiers.deferred:
+        if pure_prefill and self.tiers.deferred and self.tiers.pump_beside:
             # kept pages go down beside a long prefill (a burst of prompts never idles the loop, and a
             # turn arriving after it would otherwise evict pages whose copies still wait: 3.5 GB to
             # gather and copy beside its restore, ~100 ms more on the H200)

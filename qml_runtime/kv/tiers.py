@@ -128,11 +128,13 @@ class KVTiers:
         self.layered = True  # host-tier restores by layer, read in place (False: through staging)
         # the device can read the host tier's rows in place (pinned, on a GPU): _upload_layers
         self._in_place = self._cuda and host is not None and host.capacity > 0 and host.slots.is_pinned()
-        if self._in_place:
-            self._compile_page_copy()
         # kept pages go down by page_save into the pinned rows (``_save_in_place``), else gathered
         # into device staging and copied (``flush_spills``); tests set it on CPU (the reference copies)
-        self.save_in_place = self._in_place
+        self.save_in_place = self._in_place and os.environ.get("QML_SAVE_IN_PLACE", "1") != "0"
+        # the engine pumps kept pages beside a long prefill step (``pages_beside``), not only between steps
+        self.pump_beside = os.environ.get("QML_PUMP_BESIDE", "1") != "0"
+        if self._in_place:
+            self._compile_page_copy()
         self._pending: list[tuple[int, int]] = []  # (page, host slot) spilled, not yet copied down
         # finished requests' pages kept in host RAM: a slot is reserved, the copy waits for ``pump``
         # (page -> slot, oldest first, and slot -> page). On the H200 a 3.5 GB restore beside a
@@ -735,12 +737,14 @@ class KVTiers:
     def _compile_page_copy(self) -> None:
         """One copy of a page at start (the pool holds nothing yet): the kernel is compiled before a
         request's restore would wait for it."""
-        from qml_kernels.page_copy import page_copy
+        from qml_kernels.page_copy import page_copy, page_save
 
         self.host.slots[0].zero_()  # page 0 keeps the zeros it was made with
         pool, table = self.kv.chunk_views(self.host.slots)
         zero = torch.zeros(1, dtype=torch.int64, device=self.kv.data.device)
         page_copy(pool, zero, table, zero, 0, 2)
+        if self.save_in_place:  # and the other way (the first pump would compile it beside a prefill)
+            page_save(table, zero, pool, zero, 0, 2)
         torch.cuda.synchronize(self.kv.data.device)
 
     def _upload_layers(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]]) -> None:
