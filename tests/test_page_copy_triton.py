@@ -111,6 +111,20 @@ def test_dispatch_takes_the_kernel_only_for_a_table_the_device_can_read():
         assert save.supports(src.pin_memory(), idx.cuda(), dst.cuda(), idx.cuda())
 
 
+def test_an_op_with_host_rows_first_runs_where_its_device_tensors_are():
+    # page_save takes the host rows first: the op still runs on the pool's device (the reference
+    # would copy GBs through pageable memory on the engine thread; seen on the H200 as a 3 s stall)
+    rows, idx = torch.zeros(2, 2, 16), torch.tensor([0])
+    pool = torch.zeros(2, 3, 16, device="meta")
+    assert registry._device_type((rows, idx, pool, idx.to("meta")), {}) == "meta"
+    assert registry._device_type((rows, idx), {"pool": pool}) == "meta"
+    assert registry._device_type((rows, idx, 3), {}) == "cpu"
+    if DEVICE.type == "cuda":
+        pinned = rows.pin_memory()
+        assert registry.select("page_save", pinned, idx.cuda(), pool.to_empty(device="cuda"),
+                               idx.cuda()).name == "triton"
+
+
 # -- compilation for the H200 (sm_90a) -------------------------------------------------------
 
 def _variant(width: int, config: PageCopyConfig, dtype: str = "*bf16", to_rows: bool = False) -> dict:
