@@ -121,7 +121,7 @@ def test_an_op_with_host_rows_first_runs_where_its_device_tensors_are():
     assert registry._device_type((rows, idx, 3), {}) == "cpu"
     if DEVICE.type == "cuda":
         pinned = rows.pin_memory()
-        assert registry.select("page_save", pinned, idx.cuda(), pool.to_empty(device="cuda"),
+        assert registry.select("page_save", pinned, idx.cuda(), torch.zeros(2, 3, 16, device="cuda"),
                                idx.cuda()).name == "triton"
 
 
