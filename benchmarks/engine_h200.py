@@ -500,7 +500,7 @@ def section_hostturn(args, device) -> None:
     _timed_request(engine, hist, one)
     pool_tokens = engine.blocks.num_blocks * engine.blocks.block_size
     turns = []
-    for i in range(3):
+    for i in range(args.turns):
         other = min(20000, n_hist)
         for _ in range(-(-pool_tokens // other) + 1):  # other prompts push the history into host RAM
             _timed_request(engine, torch.randint(300, V, (other,), generator=gen).tolist(), one)
@@ -514,7 +514,7 @@ def section_hostturn(args, device) -> None:
                 t = _timed_request(engine, hist, one)[0] * 1e3
             text = turn_prof.dump(args.out / f"hostturn-turn1-cprofile{'-disk' if disk else ''}.txt", 45)
             print(text[:6000], flush=True)
-        elif i == 2 and device.type == "cuda":
+        elif i == 2 and turn_prof is not None and device.type == "cuda":
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 t = _timed_request(engine, hist, one)[0] * 1e3
             (args.out / "hostturn-profile.txt").write_text(
@@ -680,8 +680,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=0, help="transformers check: first N layers only")
     parser.add_argument("--profile-loop", action="store_true",
                         help="run each engine's loop thread under cProfile; its stats go to OUT/loop-*.txt")
+    parser.add_argument("--turns", type=int, default=3, help="hostturn: turns over the history")
     parser.add_argument("--profile-turn", action="store_true",
-                        help="hostturn, gputurn: cProfile of one turn's loop iterations (OUT/*-cprofile*.txt)")
+                        help="hostturn, gputurn: cProfile of one turn's loop iterations (OUT/*-cprofile*.txt); hostturn: and a torch profile of the third")
     parser.add_argument("--kv-disk-gib", type=float, default=0,
                         help="hostturn: a disk tier of this size in a temporary directory, as the server's")
     args = parser.parse_args()
