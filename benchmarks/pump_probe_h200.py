@@ -14,17 +14,19 @@ prompts at ~3 s instead of ~0.95 s and a GPU-history turn at 214 ms instead of 2
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_h200 import _kernel_rows, _loop_counters, _served_engine, _timed_request  # noqa: E402
+from engine_h200 import _kernel_rows, _loop_counters, _served_engine, _timed_request
 
-from qml_runtime.sampling_params import SamplingParams  # noqa: E402
+from qml_runtime.sampling_params import SamplingParams
 
 
 def drain(engine, timeout: float = 30.0) -> None:
@@ -91,7 +93,8 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     (args.out / "pump-probe.json").write_text(json.dumps(
-        {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+        {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+         "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
          "rows": rows}, indent=1))
     for r in rows:
         print(f"{r['config']}: fresh A {r['fresh_a']['ttft_ms']} ms, fresh B {r['fresh_b']['ttft_ms']} ms "

@@ -96,3 +96,24 @@ def test_a_long_prefill_takes_the_backlog_down_beside_it(engine, expected, monke
         assert eng.tiers.stats.restored_host > restored
     finally:
         eng.shutdown()
+
+
+def test_switched_off_the_long_prefill_leaves_the_backlog(engine, monkeypatch):
+    """``QML_PUMP_BESIDE=0`` (``tiers.pump_beside``): the kept pages wait for the pump between steps."""
+    monkeypatch.setenv("QML_PUMP_BESIDE", "0")
+    eng = sibling(engine, num_blocks=12, host_bytes=64 * 2**20)
+    assert eng.tiers.pump_beside is False
+    calls = []
+    monkeypatch.setattr(type(eng.tiers), "pump", lambda self, *a, **k: calls.append((a, k)) or True)
+    eng._pump = lambda: False
+    try:
+        eng.tiers.defer_persist = eng.tiers.save_in_place = True
+        turns(eng)
+        kept = eng.tiers.deferred
+        assert kept >= 2
+        long = "Count with me: " + " ".join(str(i) for i in range(22))
+        eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": long}]),
+                          SamplingParams(max_tokens=1, temperature=0))
+        assert calls == [] and eng.tiers.deferred >= kept
+    finally:
+        eng.shutdown()
