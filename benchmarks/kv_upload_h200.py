@@ -9,7 +9,8 @@ history is 1,708 pages. Measures, with the bytes checked after each variant:
 - per layer: 32 launches of one layer each (what a restore overlapped with the prefill issues);
 - overlap: the per-layer copies on a side stream beside a stream of GEMMs standing in for the prefill.
 ``--sections save``: the other way, kept pages into pinned host rows (``qml_kernels.page_save``
-against a device gather and one D2H copy), alone and beside GEMMs.
+against a device gather and one D2H copy), alone and beside GEMMs. ``--sections duplex``: a restore
+beside kept pages going down, both directions of the link at once.
 Also times the turn's attention (219 queries over 27k cached keys) by prefill-attention config.
 """
 
@@ -211,6 +212,74 @@ def save_section(results: dict) -> None:
     results["save"] = rows
 
 
+def duplex_section(results: dict) -> None:
+    """A restore (host rows -> 1,708 pages, ``page_copy``, as one launch and as 32 per-layer launches on
+    a high-priority stream) beside kept pages going down (1,708 other pages -> other rows: ``page_save``
+    or a gather + D2H copy) on a second stream: do the two directions of the link overlap? If they do,
+    the pump need not stop for a restore, nor keep to one chunk at a time while idle."""
+    from qml_kernels.page_copy import page_save_triton
+
+    dev = torch.device("cuda")
+    cfg = PRESETS["llama-3.1-8b"].config
+    n = 1708
+    P, N = 2 * n + 64, 2 * n + 64
+    kv = KVCache(cfg, P, 16, dev, torch.bfloat16)
+    kv.data.normal_()
+    host = HostTier(kv.block_bytes, N * kv.block_bytes, pin=True)
+    host.slots.copy_(torch.randint(0, 256, host.slots.shape, dtype=torch.uint8, device=dev))
+    down_buf = torch.empty((n, kv.block_bytes), dtype=torch.uint8, pin_memory=True)
+    pool, table = kv.chunk_views(host.slots)
+    gen = torch.Generator().manual_seed(3)
+    pages, slots = torch.randperm(P, generator=gen), torch.randperm(N, generator=gen)
+    up_pages, up_slots = pages[:n].to(dev), slots[:n].to(dev)
+    down_pages, down_slots = pages[n:2 * n].to(dev), slots[n:2 * n].to(dev)
+    nbytes = n * kv.block_bytes
+    up_stream = torch.cuda.Stream(priority=-1)
+    down_stream = torch.cuda.Stream()
+    chunks = pool.shape[0]
+    restore_cfg, save_cfg = PageCopyConfig(num_programs=32), PageCopyConfig(num_programs=16)
+
+    def restore():
+        page_copy_triton(pool, up_pages, table, up_slots, config=restore_cfg)
+
+    def restore_layers():
+        for c in range(0, chunks, 2):
+            page_copy_triton(pool, up_pages, table, up_slots, c, c + 2, config=restore_cfg)
+
+    def save():
+        page_save_triton(table, down_slots, pool, down_pages, config=save_cfg)
+
+    def gathered():
+        staging = kv.gather_pages(down_pages, settle=False)
+        down_buf.copy_(staging, non_blocking=True)
+
+    def together(up, down):
+        def run():
+            up_stream.wait_stream(torch.cuda.current_stream())
+            down_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(down_stream):
+                down()
+            with torch.cuda.stream(up_stream):
+                up()
+            torch.cuda.current_stream().wait_stream(up_stream)
+            torch.cuda.current_stream().wait_stream(down_stream)
+        return run
+
+    rows = []
+    for name, fn in (("restore", restore), ("restore/layers", restore_layers), ("save", save),
+                     ("gathered", gathered), ("restore+save", together(restore, save)),
+                     ("restore/layers+save", together(restore_layers, save)),
+                     ("restore+gathered", together(restore, gathered)),
+                     ("restore/layers+gathered", together(restore_layers, gathered))):
+        s = timed(fn)
+        rows.append({"variant": name, "ms": round(s * 1e3, 2), "GB/s per direction": round(nbytes / s / 1e9, 1)})
+        print(rows[-1], flush=True)
+    want = host.slots[slots[:n]].to(dev)
+    assert torch.equal(kv.gather_pages(up_pages).view(torch.uint8), want.view(torch.uint8).view(n, -1)), \
+        "restored pages differ from their rows"
+    results["duplex"] = rows
+
+
 def turn_attention_section(results: dict, n_q: int = 219) -> None:
     """``n_q`` new queries (219; 150 with kept replies) over a 27,339-token context, Llama-3.1-8B heads,
     one layer."""
@@ -382,6 +451,8 @@ def main() -> int:
                 turn_attention_section(results, args.queries)
             elif name == "save":
                 save_section(results)
+            elif name == "duplex":
+                duplex_section(results)
             else:
                 upload_section(results)
         except Exception as exc:
