@@ -253,26 +253,37 @@ def duplex_section(results: dict) -> None:
         staging = kv.gather_pages(down_pages, settle=False)
         down_buf.copy_(staging, non_blocking=True)
 
-    def together(up, down):
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]  # start, restore's end, save's end
+    ends: dict[str, list] = {}
+
+    def together(up, down, name):
         def run():
+            marks[0].record()
             up_stream.wait_stream(torch.cuda.current_stream())
             down_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(down_stream):
                 down()
+                marks[2].record()
             with torch.cuda.stream(up_stream):
                 up()
+                marks[1].record()
             torch.cuda.current_stream().wait_stream(up_stream)
             torch.cuda.current_stream().wait_stream(down_stream)
+            torch.cuda.synchronize()
+            ends.setdefault(name, []).append((marks[0].elapsed_time(marks[1]), marks[0].elapsed_time(marks[2])))
         return run
 
     rows = []
     for name, fn in (("restore", restore), ("restore/layers", restore_layers), ("save", save),
-                     ("gathered", gathered), ("restore+save", together(restore, save)),
-                     ("restore/layers+save", together(restore_layers, save)),
-                     ("restore+gathered", together(restore, gathered)),
-                     ("restore/layers+gathered", together(restore_layers, gathered))):
+                     ("gathered", gathered), ("restore+save", together(restore, save, "restore+save")),
+                     ("restore/layers+save", together(restore_layers, save, "restore/layers+save")),
+                     ("restore+gathered", together(restore, gathered, "restore+gathered")),
+                     ("restore/layers+gathered", together(restore_layers, gathered, "restore/layers+gathered"))):
         s = timed(fn)
         rows.append({"variant": name, "ms": round(s * 1e3, 2), "GB/s per direction": round(nbytes / s / 1e9, 1)})
+        if name in ends:  # each stream's own end, from the start (median over the runs)
+            up_ms, down_ms = (sorted(col)[len(col) // 2] for col in zip(*ends[name]))
+            rows[-1].update(restore_end_ms=round(up_ms, 2), down_end_ms=round(down_ms, 2))
         print(rows[-1], flush=True)
     want = host.slots[slots[:n]].to(dev)
     assert torch.equal(kv.gather_pages(up_pages).view(torch.uint8), want.view(torch.uint8).view(n, -1)), \
