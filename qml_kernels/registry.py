@@ -137,9 +137,11 @@ def _device_type(args, kwargs) -> str:
     beside device tensors (``page_save`` writes into host rows passed first), and the device's
     implementation is the one that reads or writes it in place; the reference would copy it
     through pageable memory on the calling thread (3 GB in ~3 s on the H200)."""
-    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-    for value in tensors:
-        if value.device.type != "cpu":
+    for value in args:  # (called for every kernel launch: no lists built, the first device tensor wins)
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return value.device.type
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
             return value.device.type
     return "cpu"
 
