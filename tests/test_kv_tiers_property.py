@@ -1,0 +1,100 @@
+"""``KVTiers`` bookkeeping under any order of the engine's calls (hypothesis state machine, CPU).
+
+Pages are filled with blocks whose every element is the block's id. In any order, requests end and keep
+their pages (``persist``, copies deferred); the pump copies them down between steps or beside one
+(``pump``, by ``page_save`` or by the spill path); pages are evicted for new blocks (``spill``, then
+``flush_spills``); and host blocks are restored into pages (``restore_host``). The host tier is kept
+smaller than the pool, so its LRU evicts too. Whatever the order:
+- a host slot whose copy is not still waiting holds exactly its block's bytes;
+- a restore gives back exactly the block asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from qml_runtime.kv.cache import KVCache
+from qml_runtime.kv.host_tier import HostTier
+from qml_runtime.kv.prefix import as_packed
+from qml_runtime.kv.tiers import KVTiers
+from qml_runtime.presets import PRESETS
+
+PAGES, HOST_SLOTS, BLOCK = 5, 3, 4
+
+
+def _name(block: int) -> bytes:
+    return b"block-%d" % block
+
+
+def _tokens(block: int) -> bytes:
+    return bytes(as_packed((block,) * BLOCK))
+
+
+class TiersMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        cfg = PRESETS["tiny-llama"].config
+        self.kv = KVCache(cfg, PAGES, BLOCK, "cpu", torch.float32)
+        self.kv.data.zero_()
+        self.tiers = KVTiers(self.kv, HostTier(self.kv.block_bytes, HOST_SLOTS * self.kv.block_bytes, pin=False),
+                             None)
+        self.tiers.defer_persist = True  # the GPU's defaults (CPU turns them off)
+        self.tiers.pump_pages = 2
+        self.page_block: dict[int, int] = {}  # page -> the block it holds (cached on the "GPU")
+        self.next_block = 1
+
+    def _evict(self, page: int) -> None:
+        """The engine's eviction of a cached page about to be reused: spill, then copy out before reuse."""
+        block = self.page_block.pop(page, None)
+        if block is not None:
+            self.tiers.spill(page, _name(block), _tokens(block))
+        self.tiers.flush_spills()
+
+    @rule(page=st.integers(0, PAGES - 1))
+    def new_block(self, page):
+        self._evict(page)
+        block, self.next_block = self.next_block, self.next_block + 1
+        self.kv.data[:, :, page] = float(block)
+        self.page_block[page] = block
+
+    @rule(page=st.integers(0, PAGES - 1))
+    def request_ends(self, page):
+        block = self.page_block.get(page)
+        if block is not None:
+            self.tiers.persist([(page, _name(block), _tokens(block), None)])
+
+    @rule(pages=st.none() | st.integers(1, 4), beside=st.booleans(), in_place=st.booleans())
+    def pump(self, pages, beside, in_place):
+        self.tiers.save_in_place = in_place
+        self.tiers.pump(pages, beside_step=beside)
+
+    @rule(pick=st.integers(0, 10**6), page=st.integers(0, PAGES - 1))
+    def restore(self, pick, page):
+        self._evict(page)  # (first: its spill may push a block out of host RAM)
+        held = list(self.tiers.host._lru)
+        if not held:
+            return
+        name = held[pick % len(held)]
+        block = int(name.split(b"-")[1])
+        assert self.tiers.restore_host([name], _tokens(block), [page]) == 1
+        self.kv.settle()
+        got = self.kv.data[:, :, page]
+        assert bool((got == float(block)).all()), f"page {page} restored for block {block} holds {got.unique()}"
+        self.page_block[page] = block
+
+    @invariant()
+    def landed_slots_hold_their_blocks(self):
+        waiting = set(self.tiers._deferred_slots) | {slot for _, slot in self.tiers._pending}
+        for name, (slot, _) in self.tiers.host._lru.items():
+            if slot in waiting:
+                continue
+            block = int(name.split(b"-")[1])
+            row = self.tiers.host.slots[slot].view(torch.float32)
+            assert bool((row == float(block)).all()), f"host slot {slot} of block {block} holds {row.unique()}"
+
+
+TiersMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_tiers_bookkeeping = TiersMachine.TestCase
