@@ -117,3 +117,33 @@ def test_switched_off_the_long_prefill_leaves_the_backlog(engine, monkeypatch):
         assert calls == [] and eng.tiers.deferred >= kept
     finally:
         eng.shutdown()
+
+
+class _FakeEvent:
+    def __init__(self, done: bool):
+        self.done, self.queries = done, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+
+def test_evicting_saved_pages_asks_once_per_batch_not_per_page(monkeypatch):
+    """Pages saved by the pump are evicted for a restore: the compute stream waits for the copies
+    still reading them, asking the driver once per pump batch (batches finish in order on the copy
+    stream, so the newest finished or waited-for batch covers the older ones)."""
+    tiers = _tiers(pages=8, slots=16)
+    waited = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
+        "S", (), {"wait_event": lambda self, e: waited.append(e)})())
+    old, new = _FakeEvent(done=True), _FakeEvent(done=False)
+    tiers._saving = {p: (1, old) for p in (0, 1, 2)} | {p: (2, new) for p in (3, 4, 5)}
+    tiers._save_seq = 2
+    for p in (3, 0, 4, 1, 5, 2, 6):  # interleaved, and a page the pump never saved
+        tiers.spill(p, b"name-%d" % p, (p,))
+    assert waited == [new] and new.queries == 1  # one wait covers batch 2 and the older batch 1
+    assert old.queries == 0 and not tiers._saving
+    done = _FakeEvent(done=True)
+    tiers._saving = {7: (3, done)}
+    tiers.spill(7, b"name-7", (7,))
+    assert done.queries == 1 and waited == [new] and tiers._saved_seq == 3  # finished: no wait
