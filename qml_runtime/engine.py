@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import queue
 import random
 import sys
@@ -135,7 +136,11 @@ class Engine:
             return None
         host = HostTier(self.kv.block_bytes, cache.host_bytes, pin=self.device.type == "cuda") \
             if cache.host_bytes else None
-        disk = DiskStore(cache.disk_dir, fingerprint, cache.disk_bytes) if cache.disk_dir else None
+        # blocks written encoded (their values' high halves compressed: ~1.5x fewer bytes to read back after
+        # a restart); QML_KV_DISK_ENCODE=0 writes them raw, for A/B runs
+        element_size = self.kv.data.element_size() if os.environ.get("QML_KV_DISK_ENCODE", "1") != "0" else 0
+        disk = DiskStore(cache.disk_dir, fingerprint, cache.disk_bytes,
+                         element_size=element_size if element_size in (2, 4) else 0) if cache.disk_dir else None
         if disk is not None:
             log.info("disk KV tier at %s: %d blocks (%.2f GiB) found from earlier runs", cache.disk_dir,
                      len(disk), disk.bytes_used / 2**30)
