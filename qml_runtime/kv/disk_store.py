@@ -39,9 +39,9 @@ and the high halves compressed with zstd (fast settings, no long matches to look
         16   L/2 low halves            of each element, in order (uint8 or uint16 little-endian)
      16+L/2    .  zstd frame            the high halves, in order
 
-Measured on CPU (``tests``' numbers are not timings): a 2 MiB bf16 page of SmolLM2's KV, or of
-Gaussian values, stores in ~1.46-1.50x fewer bytes; decoding runs at ~3.8 GB/s of KV a core, encoding
-at ~1.3 GB/s. A block the codec does not shrink is written as version 1.
+Measured on CPU (``benchmarks/disk_codec_cpu.py``): bf16 KV (SmolLM2's, or Gaussian values) stores in
+1.44-1.49x fewer bytes, fp16 1.14x, fp32 1.11x; one core decodes 2.5-4 GB/s of KV and encodes
+1.3-2.5 GB/s. A block the codec does not shrink is written as version 1.
 
 Crash consistency: ``put`` writes ``.<hash>.<pid>-<n>.tmp`` beside the final name, fsyncs it,
 renames it (atomic) and fsyncs the directory (a rename is not durable before that: Pillai et
