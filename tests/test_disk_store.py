@@ -378,13 +378,18 @@ class StoreMachine(RuleBasedStateMachine):
 
     KEYS = 4
     BUDGET = 3 * FILE  # less than the four blocks: eviction happens
+    ELEMENT_SIZE = 0  # the store's encoding (test_disk_store_encoded runs the machine encoded too)
 
     def __init__(self):
         super().__init__()
         self.root = tempfile.mkdtemp()
-        self.store = DiskStore(self.root, FP, self.BUDGET)
-        self.payloads = {i: payload(i, 1 + 2000 * (i % 3)) for i in range(self.KEYS)}
+        self.store = DiskStore(self.root, FP, self.BUDGET, element_size=self.ELEMENT_SIZE)
+        self.payloads = {i: self.make_payload(i) for i in range(self.KEYS)}
         self.damaged: set[int] = set()
+
+    @staticmethod
+    def make_payload(i: int) -> torch.Tensor:
+        return payload(i, 1 + 2000 * (i % 3))
 
     def _path(self, i: int):
         return self.store.dir / (key(i).hex() + ".kvb")
@@ -433,7 +438,7 @@ class StoreMachine(RuleBasedStateMachine):
         if leftover:  # killed mid-write
             (self.store.dir / f".{key(0).hex()}.999-0.tmp").write_bytes(b"\x00" * 10)
         self.store.close()
-        self.store = DiskStore(self.root, FP, self.BUDGET)
+        self.store = DiskStore(self.root, FP, self.BUDGET, element_size=self.ELEMENT_SIZE)
         assert not any(n.endswith(".tmp") for n in os.listdir(self.store.dir))
         assert self.store.bytes_used == sum(os.path.getsize(self.store.dir / n) for n in store_files(self.store))
 

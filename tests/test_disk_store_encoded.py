@@ -14,7 +14,10 @@ import xxhash
 
 from qml_runtime.kv import disk_store
 from qml_runtime.kv.disk_store import HEADER_SIZE, DiskStore, payload_offset
-from tests.test_disk_store import FP, key, no_fsync, payload, tokens  # noqa: F401  (no_fsync: a fixture)
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from tests.test_disk_store import FP, StoreMachine, key, no_fsync, payload, tokens  # noqa: F401  (no_fsync: a fixture)
 
 
 def kv_page(seed: int, dtype=torch.bfloat16, n: int = 16384) -> torch.Tensor:
@@ -176,3 +179,21 @@ def test_an_unknown_element_size_is_refused(tmp_path):
     with pytest.raises(ValueError, match="element_size"):
         DiskStore(tmp_path, FP, 1 << 20, element_size=3)
     assert HEADER_SIZE == 140  # version 2 keeps version 1's header
+
+
+class EncodedStoreMachine(StoreMachine):
+    """test_disk_store's machine (put, get, damage, crash and restart, eviction) on encoded blocks,
+    some of them too noisy to shrink (written raw beside them)."""
+
+    ELEMENT_SIZE = 2
+
+    @staticmethod
+    def make_payload(i: int) -> torch.Tensor:
+        if i == 3:
+            return payload(i, 4000)  # uniform bytes: written as version 1
+        return kv_page(i, n=500 + 700 * i).view(torch.uint8)
+
+
+def test_encoded_state_machine():
+    run_state_machine_as_test(EncodedStoreMachine, settings=settings(max_examples=100, stateful_step_count=20,
+                                                                     deadline=None, database=None))
