@@ -508,7 +508,7 @@ def section_hostturn(args, device) -> None:
         was, restored = _loop_counters(engine), engine.tiers.stats.restored_host
         # what is still on its way down when the turn arrives: kept pages not yet pumped, disk writes queued
         backlog = {"deferred_pages": engine.tiers.deferred,
-                   "pending_write_gib": round(engine.tiers._pending_write_bytes / 2**30, 2)}
+                   "pending_write_gib": round(engine.tiers.pending_write_bytes / 2**30, 2)}
         if i == 0 and turn_prof is not None:  # the first turn after the burst: where its host time goes
             with turn_prof.turn():
                 t = _timed_request(engine, hist, one)[0] * 1e3

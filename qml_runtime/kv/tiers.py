@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -52,6 +51,7 @@ import torch
 
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.disk_store import RATES_NAME, DiskStore
+from qml_runtime.kv.disk_writer import DiskWriter
 from qml_runtime.kv.host_tier import HostTier
 from qml_runtime.kv.planner import Plan, RestorePlanner
 from qml_runtime.kv.prefix import unpack
@@ -69,7 +69,6 @@ PUMP_SHARE = 0.5
 # prefill that wants the SMs (stores to host memory are posted: few programs keep the link busy)
 SAVE_PROGRAMS = 16
 MAX_PENDING_WRITE_BYTES = 4 << 30  # gathered pages waiting for the disk writer; past it a persist is skipped
-BOUNCE_PAGES = 64  # the writer's pinned buffer between GPU staging and files (128 MiB at 2 MiB pages)
 LOADER_THREADS = 4  # parallel block reads: an NVMe drive wants several requests in flight
 PROBE_BYTES = 64 << 20  # the start-up disk probe reads this much (~50 ms at 1.4 GB/s)
 PROBE_MIN_BLOCKS = 8
@@ -155,17 +154,13 @@ class KVTiers:
         # host slot -> the copy filling it (may still run). A slot filled again maps to the newer copy,
         # which runs after the older one on the same side stream, so waiting on it covers both.
         self._slot_events: dict[int, object] = {}
-        self._pending_write_bytes = 0
-        self._bounce = None  # the writer's pinned buffer, allocated once
         self._timing: list = []  # (start, end events, bytes) of uploads, observed once done
-        self._writes: queue.Queue = queue.Queue()
         self._writer = self._loader = None
         if disk is not None:
             self._load_rates()
             if "disk_bytes_per_s" not in self.planner.measured and len(disk) >= PROBE_MIN_BLOCKS:
                 threading.Thread(target=self._probe_disk, name="qml-kv-probe", daemon=True).start()
-            self._writer = threading.Thread(target=self._write_loop, name="qml-kv-writer", daemon=True)
-            self._writer.start()
+            self._writer = DiskWriter(disk, self.block_bytes, self.stats)
             self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="qml-kv-loader")
 
     # --- down -------------------------------------------------------------------------
@@ -391,11 +386,11 @@ class KVTiers:
         todo = [(p, n, t, parent) for p, n, t, parent in pages if not self.disk.contains(n)]
         for i in range(0, len(todo), MAX_BATCH_PAGES):
             chunk = todo[i:i + MAX_BATCH_PAGES]
-            if self._pending_write_bytes + len(chunk) * self.block_bytes > MAX_PENDING_WRITE_BYTES:
+            if self.pending_write_bytes + len(chunk) * self.block_bytes > MAX_PENDING_WRITE_BYTES:
                 # the disk is behind: a cache may drop what it cannot keep up with
                 self.stats.persist_skipped += len(todo) - i
                 log.warning("disk writer behind by %.1f GiB: %d pages not written through",
-                            self._pending_write_bytes / 2**30, len(todo) - i)
+                            self.pending_write_bytes / 2**30, len(todo) - i)
                 return
             self._write_through([p for p, _, _, _ in chunk], [(n, t, parent) for _, n, t, parent in chunk])
 
@@ -407,8 +402,12 @@ class KVTiers:
         if self._cuda:
             ready = torch.cuda.Event()
             ready.record()
-        self._pending_write_bytes += staging.numel()
-        self._writes.put(("pages", staging, ready, blocks))
+        self._writer.put_pages(staging, ready, blocks)
+
+    @property
+    def pending_write_bytes(self) -> int:
+        """Gathered pages handed to the disk writer and not yet written."""
+        return self._writer.pending_bytes if self._writer is not None else 0
 
     def _gather(self, pages: list[int], settle: bool = True) -> torch.Tensor:
         self._observe_uploads()
@@ -438,60 +437,13 @@ class KVTiers:
         """``data`` is a host tensor the writer owns from now on (valid once ``ready`` has passed);
         ``parent`` the previous page's name where the caller knows it."""
         if self.disk is not None and not self.disk.contains(name):
-            self._writes.put(("block", name, tokens, data, parent, ready))
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._writes.get()
-            if item is None:
-                return
-            try:
-                if item[0] == "block":
-                    _, name, tokens, data, parent, ready = item
-                    if ready is not None:
-                        ready.synchronize()
-                    self._write_one(name, tokens, data, parent)
-                else:
-                    self._write_pages(*item[1:])
-            except Exception:  # a write is a cache fill: log it, never stop the writer
-                log.exception("disk tier: a background write failed")
-            finally:
-                self._writes.task_done()
-
-    def _write_one(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None) -> None:
-        # queued twice before the first landed: one write is enough (and counts once)
-        if not self.disk.contains(name) and self.disk.put(name, parent, unpack(tokens), data):
-            self.stats.written_disk += 1  # put never raises: a failed write is a later miss
-
-    def _write_pages(self, staging: torch.Tensor, ready, blocks: list) -> None:
-        """Writer thread: copy gathered pages down through a pinned bounce buffer, then to files."""
-        try:
-            if ready is not None:
-                ready.synchronize()
-            if not staging.is_cuda:
-                for i, (name, tokens, parent) in enumerate(blocks):
-                    self._write_one(name, tokens, staging[i], parent)
-                return
-            if self._bounce is None:
-                self._bounce = torch.empty((BOUNCE_PAGES, self.block_bytes), dtype=torch.uint8, pin_memory=True)
-                self._write_stream = torch.cuda.Stream(staging.device)  # not behind the compute stream's work
-            for i in range(0, len(blocks), BOUNCE_PAGES):
-                n = min(BOUNCE_PAGES, len(blocks) - i)
-                with torch.cuda.stream(self._write_stream):
-                    self._bounce[:n].copy_(staging[i:i + n], non_blocking=True)
-                self._write_stream.synchronize()  # the buffer is reused next round
-                for j in range(n):
-                    name, tokens, parent = blocks[i + j]
-                    self._write_one(name, tokens, self._bounce[j], parent)
-        finally:
-            self._pending_write_bytes -= staging.numel()
-            del staging
+            self._writer.put_block(name, tokens, data, parent, ready)
 
     def flush(self) -> None:
         """Wait for queued disk writes (shutdown, tests)."""
         self.flush_spills()
         if self._writer is not None:
-            self._writes.join()
+            self._writer.join()
 
     # the planner's measured rates, kept beside the store: after a restart they are better first
     # guesses than the defaults (the prefill curve is measured again at each start)
@@ -547,8 +499,7 @@ class KVTiers:
         if self._writer is not None:
             self.save_rates()
             self.flush()
-            self._writes.put(None)
-            self._writer.join(timeout=30)
+            self._writer.close()
             self._writer = None
             self._loader.shutdown(wait=True)
             self.disk.close()

@@ -1,0 +1,106 @@
+"""The disk tier's background writer: blocks handed over by the engine thread are copied down (when
+they are gathered GPU pages) and written as files, on one thread, off the request's critical path.
+
+Two kinds of work arrive (``KVTiers`` queues them):
+- ``put_pages``: a finished request's pages gathered into a GPU staging buffer (write-through). The
+  writer copies them through a pinned bounce buffer on its own stream (not behind the compute
+  stream's work), then writes each page as a file. ``pending_bytes`` counts the staging still held,
+  so the engine can skip a write-through when the disk falls behind.
+- ``put_block``: one host tensor the writer owns (a host-RAM entry evicted to make room).
+
+A write is a cache fill: a failure is logged and never stops the writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+
+from qml_runtime.kv.disk_store import DiskStore
+from qml_runtime.kv.prefix import unpack
+
+log = logging.getLogger("qml.kv.tiers")
+
+BOUNCE_PAGES = 64  # the pinned buffer between GPU staging and files (128 MiB at 2 MiB pages)
+
+
+class DiskWriter:
+    def __init__(self, disk: DiskStore, block_bytes: int, stats):
+        """``stats``: the tiers' counters (``written_disk`` counts the blocks written)."""
+        self.disk, self.block_bytes, self.stats = disk, block_bytes, stats
+        self.pending_bytes = 0  # gathered pages handed over and not yet written
+        self._bounce = None  # allocated at the first GPU pages
+        self._stream = None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="qml-kv-writer", daemon=True)
+        self._thread.start()
+
+    def put_pages(self, staging: torch.Tensor, ready, blocks: list[tuple[bytes, bytes, bytes | None]]) -> None:
+        """Gathered pages (one row each) and their (name, packed tokens, parent name), valid once
+        ``ready`` (an event, or None) has passed."""
+        self.pending_bytes += staging.numel()
+        self._queue.put(("pages", staging, ready, blocks))
+
+    def put_block(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None, ready) -> None:
+        """One host tensor the writer owns from now on (valid once ``ready`` has passed)."""
+        self._queue.put(("block", name, tokens, data, parent, ready))
+
+    def join(self) -> None:
+        """Wait until everything queued so far is written (or failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            try:
+                if item[0] == "block":
+                    _, name, tokens, data, parent, ready = item
+                    if ready is not None:
+                        ready.synchronize()
+                    self._write_one(name, tokens, data, parent)
+                else:
+                    self._write_pages(*item[1:])
+            except Exception:  # a write is a cache fill: log it, never stop the writer
+                log.exception("disk tier: a background write failed")
+            finally:
+                self._queue.task_done()
+
+    def _write_one(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None) -> None:
+        # queued twice before the first landed: one write is enough (and counts once)
+        if not self.disk.contains(name) and self.disk.put(name, parent, unpack(tokens), data):
+            self.stats.written_disk += 1  # put never raises: a failed write is a later miss
+
+    def _write_pages(self, staging: torch.Tensor, ready, blocks: list) -> None:
+        """Copy gathered pages down through the pinned bounce buffer, then to files."""
+        try:
+            if ready is not None:
+                ready.synchronize()
+            if not staging.is_cuda:
+                for i, (name, tokens, parent) in enumerate(blocks):
+                    self._write_one(name, tokens, staging[i], parent)
+                return
+            if self._bounce is None:
+                self._bounce = torch.empty((BOUNCE_PAGES, self.block_bytes), dtype=torch.uint8, pin_memory=True)
+                self._stream = torch.cuda.Stream(staging.device)  # not behind the compute stream's work
+            for i in range(0, len(blocks), BOUNCE_PAGES):
+                n = min(BOUNCE_PAGES, len(blocks) - i)
+                with torch.cuda.stream(self._stream):
+                    self._bounce[:n].copy_(staging[i:i + n], non_blocking=True)
+                self._stream.synchronize()  # the buffer is reused next round
+                for j in range(n):
+                    name, tokens, parent = blocks[i + j]
+                    self._write_one(name, tokens, self._bounce[j], parent)
+        finally:
+            self.pending_bytes -= staging.numel()
+            del staging
