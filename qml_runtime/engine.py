@@ -37,7 +37,7 @@ from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
 from qml_runtime.detokenizer import IncrementalDetokenizer
 from qml_runtime.kv.block_manager import BlockManager
 from qml_runtime.kv.cache import KVCache
-from qml_runtime.kv.disk_store import DiskStore
+from qml_runtime.kv.disk_store import ENCODABLE_SIZES, DiskStore
 from qml_runtime.kv.host_tier import HostTier
 from qml_runtime.kv.prefix import pack
 from qml_runtime.kv.tiers import KVTiers
@@ -140,7 +140,8 @@ class Engine:
         # a restart); QML_KV_DISK_ENCODE=0 writes them raw, for A/B runs
         element_size = self.kv.data.element_size() if os.environ.get("QML_KV_DISK_ENCODE", "1") != "0" else 0
         disk = DiskStore(cache.disk_dir, fingerprint, cache.disk_bytes,
-                         element_size=element_size if element_size in (2, 4) else 0) if cache.disk_dir else None
+                         element_size=element_size if element_size in ENCODABLE_SIZES else 0) \
+            if cache.disk_dir else None
         if disk is not None:
             log.info("disk KV tier at %s: %d blocks (%.2f GiB) found from earlier runs", cache.disk_dir,
                      len(disk), disk.bytes_used / 2**30)

@@ -87,6 +87,7 @@ VERSION_ENCODED = 2
 _CODEC = struct.Struct("<HHIQ")  # codec, element_size, reserved, logical_size
 CODEC_HALVES_ZSTD = 1
 _HALF = {2: (np.uint16, np.uint8, 8), 4: (np.uint32, np.uint16, 16)}  # element, half, shift
+ENCODABLE_SIZES = tuple(_HALF)  # the element sizes a store can encode (``DiskStore(element_size=...)``)
 SUFFIX = ".kvb"
 ALIGN = 4096
 _HEADER = struct.Struct("<8sHHIQ32s32s32s16sI")
@@ -166,7 +167,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
 def _kv_bytes(raw: bytes | bytearray) -> int:
     """The KV bytes a whole file read unchecked stands for: its decoded size (version 2), else its size."""
     if len(raw) >= HEADER_SIZE and raw[:8] == MAGIC:
-        version, n = struct.unpack_from("<H", raw, 8)[0], struct.unpack_from("<I", raw, 12)[0]
+        _, version, _, n, *_ = _HEADER.unpack_from(raw)
         off = payload_offset(n)
         if version == VERSION_ENCODED and len(raw) >= off + _CODEC.size:
             return _CODEC.unpack_from(raw, off)[3]
@@ -235,7 +236,7 @@ class DiskStore:
         """``element_size``: the KV values' bytes (2 for bf16/fp16, 4 for fp32) to write blocks encoded
         (version 2, the module docstring); 0 writes them raw. Both versions are read either way."""
         _check_key("fingerprint", fingerprint)
-        if element_size not in (0, *_HALF):
+        if element_size not in (0, *ENCODABLE_SIZES):
             raise ValueError(f"element_size must be 0, 2 or 4, got {element_size}")
         self.fingerprint, self.budget_bytes = fingerprint, int(budget_bytes)
         self.element_size = element_size
@@ -286,7 +287,7 @@ class DiskStore:
         tmp = self.dir / f".{block_hash.hex()}.{os.getpid()}-{next(self._seq)}.tmp"
         try:
             try:
-                self._write_file(tmp, block_hash, parent_hash, tok, parts or [data], parts is not None)
+                self._write_file(tmp, block_hash, parent_hash, tok, parts or [data], stored, parts is not None)
                 with self._lock:
                     os.rename(tmp, path)
                     self._bytes += size - self._index.pop(block_hash, 0)  # 0 unless a concurrent put of it
@@ -397,15 +398,14 @@ class DiskStore:
             pass  # recency is advisory; a vanished file shows up as a miss on the next read
 
     def _write_file(self, tmp: Path, block_hash: bytes, parent_hash: bytes, tok: bytes, parts: list,
-                    encoded: bool) -> None:
+                    payload_size: int, encoded: bool) -> None:
         prefix = bytearray(payload_offset(len(tok) // 4))  # header, tokens, zero padding
         prefix[HEADER_SIZE:HEADER_SIZE + len(tok)] = tok
         h = xxhash.xxh3_128(memoryview(prefix)[HEADER_SIZE:])
         for part in parts:
             h.update(part)
         head = _HEADER.pack(MAGIC, VERSION_ENCODED if encoded else VERSION, HEADER_SIZE, len(tok) // 4,
-                            sum(memoryview(p).nbytes for p in parts), self.fingerprint, block_hash,
-                            parent_hash, h.digest(), 0)[:-4]
+                            payload_size, self.fingerprint, block_hash, parent_hash, h.digest(), 0)[:-4]
         prefix[:HEADER_SIZE] = head + zlib.crc32(head).to_bytes(4, "little")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
