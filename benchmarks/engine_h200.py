@@ -257,6 +257,8 @@ def _kernel_rows(prof, cuda: bool = True) -> list[tuple[str, int, float]]:
     """(kernel, calls, ms) of a profile, longest first: GPU time, or on CPU the ops' own time."""
     rows = []
     for e in prof.key_averages():
+        if cuda and "CPU" in str(getattr(e, "device_type", "")):
+            continue  # (with CPU activity on, an op's device time would count its kernels twice)
         t = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
             else e.self_cpu_time_total
         if t > 0:
@@ -483,7 +485,7 @@ def section_hostturn(args, device) -> None:
     case, in-process): the engine loop's split (schedule / step / post) and a profile of the turn."""
     import tempfile
 
-    from loop_profile import TurnProfile  # beside this script
+    from loop_profile import TurnProfile, device_timeline  # beside this script
     from torch.profiler import ProfilerActivity, profile
 
     # the sessions bench's GPU pool (--kv-cache-gib 10), more host RAM: the turns here must not fill it
@@ -502,14 +504,28 @@ def section_hostturn(args, device) -> None:
     turns = []
     for i in range(args.turns):
         other = min(20000, n_hist)
-        for _ in range(-(-pool_tokens // other) + 1):  # other prompts push the history into host RAM
+        n_other = -(-pool_tokens // other) + 1
+        timeline = None
+        for j in range(n_other):  # other prompts push the history into host RAM
+            if args.timeline and i == 0 and j == n_other - 1 and device.type == "cuda":
+                # the device from the burst's last prompt on: what its aftermath leaves beside the turn
+                timeline = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                timeline.__enter__()
             _timed_request(engine, torch.randint(300, V, (other,), generator=gen).tolist(), one)
         hist = hist + torch.randint(300, V, (219,), generator=gen).tolist()
         was, restored = _loop_counters(engine), engine.tiers.stats.restored_host
         # what is still on its way down when the turn arrives: kept pages not yet pumped, disk writes queued
         backlog = {"deferred_pages": engine.tiers.deferred,
                    "pending_write_gib": round(engine.tiers.pending_write_bytes / 2**30, 2)}
-        if i == 0 and turn_prof is not None:  # the first turn after the burst: where its host time goes
+        if timeline is not None:
+            with torch.profiler.record_function("turn-submit"):
+                pass
+            t = _timed_request(engine, hist, one)[0] * 1e3
+            timeline.__exit__(None, None, None)
+            text = device_timeline(timeline, args.out / "hostturn-turn1-trace.json", marker="turn-submit")
+            (args.out / "hostturn-turn1-timeline.txt").write_text(text)
+            print(text[:8000], flush=True)
+        elif i == 0 and turn_prof is not None:  # the first turn after the burst: where its host time goes
             with turn_prof.turn():
                 t = _timed_request(engine, hist, one)[0] * 1e3
             text = turn_prof.dump(args.out / f"hostturn-turn1-cprofile{'-disk' if disk else ''}.txt", 45)
@@ -570,8 +586,17 @@ def section_gputurn(args, device) -> None:
             turn_prof.prof.clear()
         hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
         cuda = device.type == "cuda"
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+        with profile(activities=acts + ([ProfilerActivity.CPU] if cuda and args.timeline else [])) as prof:
+            with torch.profiler.record_function("turn-submit"):
+                pass
             wall = _timed_request(engine, hist, one)[0] * 1e3
+        if args.timeline and cuda:
+            from loop_profile import device_timeline
+
+            text = device_timeline(prof, args.out / f"gputurn-{new}-trace.json", bin_ms=1.0, marker="turn-submit")
+            (args.out / f"gputurn-{new}-timeline.txt").write_text(text)
+            print(text[:6000], flush=True)
         rows = _kernel_rows(prof, cuda)
         results[str(new)] = {"ttft_ms": times, "loop_ms": splits, "profiled_ttft_ms": round(wall, 2),
                              "gpu_ms": round(sum(r[2] for r in rows), 2),
@@ -681,6 +706,9 @@ def main() -> int:
     parser.add_argument("--profile-loop", action="store_true",
                         help="run each engine's loop thread under cProfile; its stats go to OUT/loop-*.txt")
     parser.add_argument("--turns", type=int, default=3, help="hostturn: turns over the history")
+    parser.add_argument("--timeline", action="store_true",
+                        help="hostturn: the device's timeline from the burst's last prompt through the first turn; "
+                             "gputurn: through the profiled turns (OUT/*-timeline.txt, *-trace.json)")
     parser.add_argument("--profile-turn", action="store_true",
                         help="hostturn, gputurn: cProfile of one turn's loop iterations (OUT/*-cprofile*.txt); hostturn: and a torch profile of the third")
     parser.add_argument("--kv-disk-gib", type=float, default=0,

@@ -87,3 +87,74 @@ class TurnProfile:
             pstats.Stats(self.prof, stream=text).sort_stats(key).print_stats(lines)
         path.write_text(text.getvalue())
         return text.getvalue()
+
+
+# names of device activity, by what it is in a turn (first match wins)
+TIMELINE_CLASSES = (
+    ("pagecopy", ("_page_copy_kernel",)),
+    ("attention", ("attention",)),
+    ("gemm", ("nvjet", "gemm", "gemv", "cutlass", "splitKreduce")),
+    ("DtoH", ("Memcpy DtoH", "Device -> Pageable", "Device -> Pinned")),
+    ("HtoD", ("Memcpy HtoD",)),
+    ("DtoD", ("Memcpy DtoD",)),
+)
+
+
+def _timeline_class(name: str) -> str:
+    for cls, keys in TIMELINE_CLASSES:
+        if any(k in name for k in keys):
+            return cls
+    return "other"
+
+
+def device_timeline(prof, path: Path, bin_ms: float = 5.0, marker: str | None = None) -> str:
+    """What the device did over one profiled turn, from the profiler's chrome trace: per stream the
+    busy time and span, then per ``bin_ms`` bin the busy ms of each class of work (restore copies,
+    saves, attention, GEMMs, memcpys by direction, other kernels), so overlaps and idle gaps show.
+    ``marker``: a ``record_function`` name (the turn's submit); times then count from it, and the
+    bins start there. The trace goes to ``path`` (.json); the summary is returned."""
+    import json
+
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text()).get("traceEvents", [])
+    events = [e for e in trace if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not events:
+        return "no device events"
+    marks = [float(e["ts"]) for e in trace if marker and e.get("name") == marker and "ts" in e]
+    t0 = marks[0] if marks else min(float(e["ts"]) for e in events)
+    end = max(float(e["ts"]) + float(e.get("dur", 0)) for e in events)
+    lines = [f"device until {(end - t0) / 1e3:.2f} ms after {marker if marks else 'the first event'}, "
+             f"{len(events)} events (negative times: before it)"]
+    streams: dict = {}
+    for e in events:
+        s = streams.setdefault(e.get("args", {}).get("stream", "?"), {"busy": 0.0, "first": 1e18, "last": 0.0,
+                                                                      "n": 0, "classes": {}})
+        ts, dur = float(e["ts"]) - t0, float(e.get("dur", 0))
+        s["busy"] += dur
+        s["n"] += 1
+        s["first"], s["last"] = min(s["first"], ts), max(s["last"], ts + dur)
+        cls = _timeline_class(e.get("name", ""))
+        s["classes"][cls] = s["classes"].get(cls, 0.0) + dur
+    for sid, s in sorted(streams.items(), key=lambda kv: -kv[1]["busy"]):
+        parts = ", ".join(f"{c} {v / 1e3:.2f}" for c, v in sorted(s["classes"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"stream {sid}: {s['n']} events, busy {s['busy'] / 1e3:.2f} ms, "
+                     f"{s['first'] / 1e3:.2f}-{s['last'] / 1e3:.2f} ms ({parts})")
+    width = bin_ms * 1e3
+    bins = [dict() for _ in range(int(max(end - t0, 0) // width) + 1)]
+    for e in events:  # each event's time spread over the bins it covers (from t0 on), by class and stream
+        a, b = max(float(e["ts"]) - t0, 0.0), float(e["ts"]) - t0 + float(e.get("dur", 0))
+        key = f"{_timeline_class(e.get('name', ''))}@{e.get('args', {}).get('stream', '?')}"
+        i = int(a // width)
+        while a < b and i < len(bins):
+            cut = min(b, (i + 1) * width)
+            bins[i][key] = bins[i].get(key, 0.0) + cut - a
+            a, i = cut, i + 1
+    totals: dict = {}
+    for row in bins:
+        for k, v in row.items():
+            totals[k] = totals.get(k, 0.0) + v
+    keys = sorted(totals, key=lambda k: -totals[k])[:9]  # the page-copy kernel restores and saves: the stream tells
+    lines.append("busy ms per bin, class@stream; ms from t0 | " + " | ".join(keys))
+    for i, row in enumerate(bins):
+        lines.append(f"{i * bin_ms:7.1f} | " + " | ".join(f"{row.get(k, 0) / 1e3:5.2f}" for k in keys))
+    return "\n".join(lines)
