@@ -606,6 +606,55 @@ def section_gputurn(args, device) -> None:
     engine.shutdown()
 
 
+def section_afterfresh(args, device) -> None:
+    """The sessions bench's second GPU-history turn, in-process: a 150-token turn over a 27k-token
+    history still in GPU memory, sent right after an unrelated 27k-token prompt has finished (whose
+    pages then go down to host RAM, and to disk with ``--kv-disk-gib``). TTFT of three such turns,
+    with what was still on its way down when each arrived; ``--timeline``: the device and the host's
+    launches from the fresh prompt through the first turn."""
+    import tempfile
+
+    from loop_profile import device_timeline  # beside this script
+    from torch.profiler import ProfilerActivity, profile
+
+    disk = tempfile.mkdtemp(prefix="qml-afterfresh-") if args.kv_disk_gib else None
+    engine = _served_engine(args, device, kv_host_gib=4 * args.kv_cache_gib, kv_disk_dir=disk,
+                            kv_disk_gib=args.kv_disk_gib or None)
+    engine.start()
+    V = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(8)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    n_hist = min(27120, engine.context_length // 2)
+    hist = torch.randint(300, V, (n_hist,), generator=gen).tolist()
+    _timed_request(engine, hist, one)
+    turns = []
+    for i in range(3):
+        timeline = None
+        if args.timeline and i == 0 and device.type == "cuda":
+            timeline = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            timeline.__enter__()
+        fresh = _timed_request(engine, torch.randint(300, V, (n_hist,), generator=gen).tolist(), one)[0] * 1e3
+        hist = hist + torch.randint(300, V, (150,), generator=gen).tolist()
+        backlog = {"deferred_pages": engine.tiers.deferred,
+                   "pending_write_gib": round(engine.tiers.pending_write_bytes / 2**30, 2)}
+        was = _loop_counters(engine)
+        if timeline is not None:
+            with torch.profiler.record_function("turn-submit"):
+                pass
+        t = _timed_request(engine, hist, one)[0] * 1e3
+        now = _loop_counters(engine)
+        if timeline is not None:
+            timeline.__exit__(None, None, None)
+            text = device_timeline(timeline, args.out / "afterfresh-trace.json", bin_ms=2.0, marker="turn-submit")
+            (args.out / f"afterfresh-timeline{'-disk' if disk else ''}.txt").write_text(text)
+            print(text[:7000], flush=True)
+        turns.append({"ttft_ms": round(t, 2), "fresh_ms": round(fresh, 1), "backlog": backlog,
+                      "loop_ms": {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post")}})
+        print("after fresh:", turns[-1], flush=True)
+    record("afterfresh", disk=bool(disk), turns=turns)
+    engine.shutdown()
+
+
 def section_graphprofile(args, device) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -677,7 +726,7 @@ def section_overlap(args, device) -> None:
 SECTIONS = {"overlap": section_overlap, "graphprofile": section_graphprofile,
             "attention": section_attention, "transformers": section_transformers, "engine": section_engine,
             "profile": section_profile, "firstcall": section_firstcall, "prefillprobe": section_prefillprobe,
-            "hostturn": section_hostturn, "gputurn": section_gputurn}
+            "hostturn": section_hostturn, "gputurn": section_gputurn, "afterfresh": section_afterfresh}
 
 
 def write(out: Path, stem: str, meta: dict) -> None:

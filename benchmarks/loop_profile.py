@@ -154,7 +154,22 @@ def device_timeline(prof, path: Path, bin_ms: float = 5.0, marker: str | None = 
         for k, v in row.items():
             totals[k] = totals.get(k, 0.0) + v
     keys = sorted(totals, key=lambda k: -totals[k])[:9]  # the page-copy kernel restores and saves: the stream tells
-    lines.append("busy ms per bin, class@stream; ms from t0 | " + " | ".join(keys))
+    # the host's side: kernel launches per bin (when the work was queued), and the runtime calls that
+    # blocked (synchronizations, pageable copies) with their thread
+    runtime = [e for e in trace if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+               and float(e["ts"]) >= t0]
+    launches = [0] * len(bins)
+    for e in runtime:
+        if "Launch" in e.get("name", ""):
+            i = int((float(e["ts"]) - t0) // width)
+            if i < len(bins):
+                launches[i] += 1
+    lines.append("busy ms per bin, class@stream; ms from t0 | launches | " + " | ".join(keys))
     for i, row in enumerate(bins):
-        lines.append(f"{i * bin_ms:7.1f} | " + " | ".join(f"{row.get(k, 0) / 1e3:5.2f}" for k in keys))
+        lines.append(f"{i * bin_ms:7.1f} | {launches[i]:4d} | "
+                     + " | ".join(f"{row.get(k, 0) / 1e3:5.2f}" for k in keys))
+    slow = [e for e in runtime if float(e.get("dur", 0)) >= 300]
+    lines.append(f"runtime calls of 0.3 ms or more after t0 ({len(slow)}): start ms, ms, name, thread")
+    for e in slow[:40]:
+        lines.append(f"  {(float(e['ts']) - t0) / 1e3:8.2f} {float(e['dur']) / 1e3:7.2f} {e.get('name')} tid {e.get('tid')}")
     return "\n".join(lines)
