@@ -517,7 +517,17 @@ def section_hostturn(args, device) -> None:
         # what is still on its way down when the turn arrives: kept pages not yet pumped, disk writes queued
         backlog = {"deferred_pages": engine.tiers.deferred,
                    "pending_write_gib": round(engine.tiers.pending_write_bytes / 2**30, 2)}
-        if timeline is not None:
+        if args.sample_stacks and i == 0:  # the first turn after the burst: where the engine thread was
+            from loop_profile import StackSampler
+
+            sampler = StackSampler(engine._thread.ident)
+            sampler.start()
+            t = _timed_request(engine, hist, one)[0] * 1e3
+            sampler.stop()
+            text = sampler.summary()
+            (args.out / "hostturn-turn1-stacks.txt").write_text(text)
+            print(text[:9000], flush=True)
+        elif timeline is not None:
             with torch.profiler.record_function("turn-submit"):
                 pass
             t = _timed_request(engine, hist, one)[0] * 1e3
@@ -758,6 +768,9 @@ def main() -> int:
     parser.add_argument("--timeline", action="store_true",
                         help="hostturn: the device's timeline from the burst's last prompt through the first turn; "
                              "gputurn: through the profiled turns (OUT/*-timeline.txt, *-trace.json)")
+    parser.add_argument("--sample-stacks", action="store_true",
+                        help="hostturn: the engine thread's stack sampled every ms through the first turn, and the GC's "
+                             "collections (OUT/hostturn-turn1-stacks.txt)")
     parser.add_argument("--profile-turn", action="store_true",
                         help="hostturn, gputurn: cProfile of one turn's loop iterations (OUT/*-cprofile*.txt); hostturn: and a torch profile of the third")
     parser.add_argument("--kv-disk-gib", type=float, default=0,

@@ -173,3 +173,75 @@ def device_timeline(prof, path: Path, bin_ms: float = 5.0, marker: str | None = 
     for e in slow[:40]:
         lines.append(f"  {(float(e['ts']) - t0) / 1e3:8.2f} {float(e['dur']) / 1e3:7.2f} {e.get('name')} tid {e.get('tid')}")
     return "\n".join(lines)
+
+
+class StackSampler:
+    """A poor man's py-spy for one thread: every ``period_s`` the thread's Python stack is sampled
+    (``sys._current_frames``), and every collection of the cyclic GC is timed (``gc.callbacks``),
+    between ``start()`` and ``stop()``. ``summary()`` merges consecutive samples with the same
+    innermost frames into spans: where a thread that launched nothing for tens of ms was."""
+
+    def __init__(self, thread_id: int, period_s: float = 0.001, depth: int = 5):
+        self.thread_id, self.period_s, self.depth = thread_id, period_s, depth
+        self.samples: list = []
+        self.gcs: list = []
+        self._stop = None
+        self._thread = None
+        self._gc_t0 = None
+
+    def _on_gc(self, phase, info) -> None:
+        import time
+
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            self.gcs.append((self._gc_t0, time.perf_counter() - self._gc_t0, info.get("generation"),
+                             info.get("collected")))
+            self._gc_t0 = None
+
+    def start(self) -> None:
+        import gc
+        import sys
+        import threading
+        import time
+
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        gc.callbacks.append(self._on_gc)
+
+        def run():
+            while not self._stop.is_set():
+                frame = sys._current_frames().get(self.thread_id)
+                stack = []
+                while frame is not None and len(stack) < self.depth:
+                    code = frame.f_code
+                    stack.append(f"{code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno} {code.co_name}")
+                    frame = frame.f_back
+                self.samples.append((time.perf_counter(), tuple(stack)))
+                time.sleep(self.period_s)
+
+        self._thread = threading.Thread(target=run, name="stack-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        import gc
+
+        self._stop.set()
+        self._thread.join()
+        gc.callbacks.remove(self._on_gc)
+
+    def summary(self, min_ms: float = 1.0) -> str:
+        """Spans of at least ``min_ms`` where the sampled stack stayed the same (innermost first),
+        in ms from ``start()``; then the GC's collections."""
+        lines, i = [], 0
+        while i < len(self.samples):
+            j = i
+            while j + 1 < len(self.samples) and self.samples[j + 1][1] == self.samples[i][1]:
+                j += 1
+            t_a, t_b = self.samples[i][0] - self.t0, self.samples[min(j + 1, len(self.samples) - 1)][0] - self.t0
+            if (t_b - t_a) * 1e3 >= min_ms:
+                lines.append(f"{t_a * 1e3:8.2f} +{(t_b - t_a) * 1e3:6.2f} ms  " + " <- ".join(self.samples[i][1]))
+            i = j + 1
+        for t, dur, gen, collected in self.gcs:
+            lines.append(f"gc gen {gen}: at {(t - self.t0) * 1e3:.2f} ms, {dur * 1e3:.2f} ms, {collected} collected")
+        return "\n".join(lines)
