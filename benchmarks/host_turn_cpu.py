@@ -148,7 +148,8 @@ def fill_pool(eng: Engine, tokens: list[int]) -> None:
     eng.tiers.flush_spills()
     table = list(other.block_table)
     eng.blocks.release(other.block_table)
-    eng.tiers.persist(eng._named_pages(other, table))
+    eng._to_persist.append([table, list(other.block_names), 0])  # as the engine's _finish queues it
+    eng._persist(everything=True)
 
 
 def turn(eng: Engine, prompt: list[int]) -> tuple[list[int], float]:

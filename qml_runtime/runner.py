@@ -152,18 +152,19 @@ class ModelRunner:
         self.logits_processor.release(seq)
 
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch) -> tuple[list[int | None], Logprobs]:
+    def step(self, batch: ScheduledBatch, eager: bool = False) -> tuple[list[int | None], Logprobs]:
         """Run the batch; returns, per sequence, the sampled token or None (prefill chunk not last),
-        and the tokens' logprobs for the sequences that asked (None when none did)."""
+        and the tokens' logprobs for the sequences that asked (None when none did). ``eager``: no
+        CUDA graph even where one fits (the warm-up runs the path a restoring turn takes)."""
         try:
-            return self._step(batch)
+            return self._step(batch, eager)
         finally:
             self.kv.settle()  # a failed step too: nothing after it may overtake a restore it was to read
 
-    def _step(self, batch: ScheduledBatch) -> tuple[list[int | None], Logprobs]:
+    def _step(self, batch: ScheduledBatch, eager: bool = False) -> tuple[list[int | None], Logprobs]:
         t0 = time.perf_counter()
         special = any(s.custom_sampling for s in batch.seqs)
-        ran = self._graph_tokens(batch)
+        ran = None if eager else self._graph_tokens(batch)
         if ran is not None:
             tokens, family = ran
             for seq, n in zip(batch.seqs, batch.num_tokens):

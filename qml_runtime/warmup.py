@@ -15,6 +15,16 @@ model on this GPU (``RestorePlanner.prefill_curve``): without it, a server resta
 store weighed reading a history against a guessed prefill speed, and chose to read when
 recomputing was faster (sessions bench on the H200: 1.40 s against 0.99 s to recompute).
 
+A turn whose history comes back from host RAM runs eagerly (each layer waits only for its own
+restored pages), at a length no graph was captured for. With CUDA's lazy module loading, the first
+launch of a kernel loads it, and a load may synchronise the context: on the H200 the first such
+turn after start-up stalled 70 ms in its first GEMM, until the restore copying beside it had ended
+(`engine_h200.py --sections hostturn --sample-stacks`), so the restore and the compute ran one after
+the other (114 ms against 79-88 for later turns). The warm-up therefore also runs short eager
+chunks over the longest cached context (both sides of 16: Triton's specialisations, the split-KV
+attention and its merge) and every dense weight's GEMM at each row count up to ``GEMM_ROWS``
+(cuBLAS picks its kernel by the shape, so each row count may load another one).
+
 The warm-up's pages are taken from the pool and given back unnamed: nothing enters the prefix
 cache, nothing is spilled.
 """
@@ -38,6 +48,11 @@ CHUNK = 4999  # more than the prefill graphs take (4096), not a multiple of 16: 
 # also timed (not needed for compiling: the prefill graphs cover them): a short prompt's time is
 # mostly fixed costs, which the curve would otherwise extrapolate away
 TIMED_SHORT = (128, 512)
+# eager chunks over the longest cached context, as a turn restored from host RAM runs (no graph)
+TURN_SIZES = (150, 224)
+GEMM_ROWS = 1024  # dense GEMMs at every row count up to this (a turn's chunk, eager)
+GEMM_ROWS_WIDE = 256  # for weights wider than WIDE_N (the LM head: only the sampled rows)
+WIDE_N = 65536
 
 
 def _sync(device: torch.device) -> None:
@@ -45,8 +60,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def load_gemm_kernels(model: torch.nn.Module, rows: int = GEMM_ROWS, rows_wide: int = GEMM_ROWS_WIDE,
+                      device_type: str = "cuda") -> int:
+    """Run ``qml_kernels.linear`` once for each distinct dense weight shape of ``model`` (2-D floating
+    parameters on ``device_type``) at every row count from 1 to ``rows`` (``rows_wide`` for weights
+    wider than ``WIDE_N``), so that the kernels the GEMM libraries pick for them are loaded before a
+    request needs one beside a restore. Returns the GEMMs run."""
+    from qml_kernels import linear as linear_module
+
+    shapes = {}
+    for p in model.parameters():
+        if p.dim() == 2 and p.is_floating_point() and p.device.type == device_type:
+            shapes.setdefault((tuple(p.shape), p.dtype), p)
+    runs = 0
+    with torch.inference_mode():
+        for (shape, dtype), weight in shapes.items():
+            n, k = shape
+            top = rows if n <= WIDE_N else min(rows, rows_wide)
+            x = torch.zeros(top, k, dtype=dtype, device=weight.device)
+            for m in range(1, top + 1):
+                linear_module.linear(x[:m], weight)
+                runs += 1
+    return runs
+
+
 def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK,
-            timed_short: tuple[int, ...] = TIMED_SHORT) -> list[tuple[int, float]]:
+            timed_short: tuple[int, ...] = TIMED_SHORT, turns: tuple[int, ...] = TURN_SIZES) -> list[tuple[int, float]]:
     """Run the eager paths once, then time fresh prefills; returns [(tokens, seconds)] and hands
     the curve to the restore planner. Call before the engine loop starts (it uses the runner and
     the block pool directly)."""
@@ -57,8 +96,10 @@ def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK,
     chunk = min(chunk, one_step - 1)
     # the longest prompt is followed by an eager chunk over its cached context (CHUNK tokens: more
     # than the prefill graphs take, not a multiple of 16) and a last token beside another's
-    limit = min(one_step, engine.context_length - chunk - 10,
-                (blocks.num_free - 2) * blocks.block_size - chunk - 10 - min(sizes, default=0) - 1)
+    turns = tuple(n for n in turns if n < one_step)
+    after = chunk + sum(turns)  # the tokens computed over the longest prompt's context
+    limit = min(one_step, engine.context_length - after - 10,
+                (blocks.num_free - 2) * blocks.block_size - after - 10 - min(sizes, default=0) - 1)
     sizes = tuple(sorted(n for n in sizes if n <= limit))
     if not sizes:
         return []
@@ -70,10 +111,10 @@ def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK,
     def prompt(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
-    def run(seqs, counts) -> None:
+    def run(seqs, counts, eager: bool = False) -> None:
         for seq, n in zip(seqs, counts):
             blocks.grow(seq.block_table, seq.num_computed + n)
-        runner.step(ScheduledBatch(list(seqs), list(counts)))
+        runner.step(ScheduledBatch(list(seqs), list(counts)), eager=eager)
 
     def fresh(n: int, extra: int = 0):
         """A sequence of n + extra prompt tokens with its first n computed."""
@@ -85,13 +126,15 @@ def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK,
     try:
         with torch.inference_mode():
             for i, n in enumerate(sizes):  # first pass: compiles and plans
-                held.append(fresh(n, chunk + 8 if i == len(sizes) - 1 else 0))
+                held.append(fresh(n, after + 8 if i == len(sizes) - 1 else 0))
                 if 0 < i < len(sizes) - 1:
                     blocks.release(held.pop().block_table)
-            # a chunk over cached context, then one sequence's last token beside another's last
-            # nine (a mixed batch: eager)
+            # a chunk over cached context, short eager ones after it (a restored turn's path), then
+            # one sequence's last token beside another's last nine (a mixed batch: eager)
             a, b = held[0], held[-1]
             run([b], [chunk])
+            for n in turns:
+                run([b], [n], eager=True)
             run([a, b] if a is not b else [b], [1, 9] if a is not b else [9])
             for seq in held:
                 blocks.release(seq.block_table)
@@ -108,8 +151,9 @@ def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK,
     finally:
         for seq in held:
             blocks.release(seq.block_table)
+    gemms = load_gemm_kernels(engine.runner.model) if device.type == "cuda" else 0
     if engine.tiers is not None:
         engine.tiers.planner.prefill_curve = curve
-    log.info("warm-up in %.1f s; fresh prefill %s", time.perf_counter() - t_start,
-             ", ".join(f"{n} tokens {s * 1e3:.1f} ms" for n, s in curve))
+    log.info("warm-up in %.1f s (%d GEMMs to load their kernels); fresh prefill %s", time.perf_counter() - t_start,
+             gemms, ", ".join(f"{n} tokens {s * 1e3:.1f} ms" for n, s in curve))
     return curve

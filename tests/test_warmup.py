@@ -85,6 +85,46 @@ def test_no_warm_up_step_is_larger_than_a_served_one(engine, tmp_path):
                  scheduler=SchedulerConfig(max_batched_tokens=64), fingerprint=b"w" * 32)
     steps = []
     step = eng.runner.step
-    eng.runner.step = lambda batch: (steps.append(sum(batch.num_tokens)), step(batch))[1]
+    eng.runner.step = lambda batch, **kw: (steps.append(sum(batch.num_tokens)), step(batch, **kw))[1]
     assert [n for n, _ in warm_up(eng, sizes=(40,))] == [40]
     assert steps and max(steps) <= 64, steps
+
+
+def test_short_eager_chunks_run_over_the_longest_cached_context(engine, tmp_path):
+    """A turn restored from host RAM runs without a graph over a long context: the warm-up runs that
+    path (eager, both sides of 16) after the long chunk, so its kernels are loaded before a restore."""
+    eng = fresh_engine(engine, tmp_path)
+    steps = []
+    step = eng.runner.step
+
+    def spy(batch, eager=False):
+        steps.append((list(batch.num_tokens), [s.num_computed for s in batch.seqs], eager))
+        return step(batch, eager=eager)
+
+    eng.runner.step = spy
+    warm_up(eng, sizes=(100, 48), chunk=40, turns=(21, 32))
+    eager = [(n, done) for n, done, e in steps if e]
+    assert eager == [([21], [140]), ([32], [161])], steps  # over the 100-token prompt + its 40-token chunk
+    assert eng.blocks.num_free == 64 and eng.blocks.num_cached == 0
+    eng.tiers.close()
+
+
+def test_every_dense_weight_shape_gets_a_gemm_at_every_row_count(monkeypatch):
+    import torch
+
+    from qml_kernels import linear as linear_module
+    from qml_runtime import warmup
+
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.zeros(6, 4))
+    model.b = torch.nn.Parameter(torch.zeros(6, 4))  # the same shape: once
+    model.c = torch.nn.Parameter(torch.zeros(3, 5))
+    model.wide = torch.nn.Parameter(torch.zeros(warmup.WIDE_N + 1, 2))  # an LM head: fewer rows
+    model.norm = torch.nn.Parameter(torch.zeros(4))  # not a GEMM weight
+    model.ids = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.int32), requires_grad=False)  # not floating
+    calls = []
+    monkeypatch.setattr(linear_module, "linear", lambda x, w: calls.append((x.shape[0], tuple(w.shape))))
+    assert warmup.load_gemm_kernels(model, rows=5, rows_wide=2, device_type="cpu") == 12
+    assert sorted(calls) == sorted([(m, (6, 4)) for m in range(1, 6)] + [(m, (3, 5)) for m in range(1, 6)]
+                                   + [(m, (warmup.WIDE_N + 1, 2)) for m in (1, 2)])
+    assert warmup.load_gemm_kernels(model, device_type="cuda") == 0  # nothing of the model is there

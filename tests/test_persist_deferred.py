@@ -1,0 +1,100 @@
+"""A finished request's pages go to the tiers after it, a chunk at a time (``Engine._persist``): a request
+that arrives meanwhile is scheduled first, a page taken for another block in between is skipped, and
+nothing is lost at shutdown."""
+
+from __future__ import annotations
+
+from qml_runtime import engine as engine_module
+from qml_runtime.config import CacheConfig, SchedulerConfig
+from qml_runtime.engine import Engine
+from qml_runtime.sampling_params import SamplingParams
+
+ONE = SamplingParams(max_tokens=1, temperature=0)
+
+
+def _engine(engine, tmp_path=None, **cache) -> Engine:
+    """Not started: the test drives the loop (``_iterate``) on its own thread."""
+    cfg = CacheConfig(block_size=16, **cache)
+    return Engine(engine.model, engine.tokenizer, engine.model_config, model_id="persist", device=engine.device,
+                  dtype=engine.dtype, cache=cfg, scheduler=SchedulerConfig(), fingerprint=engine.scheduler.fingerprint)
+
+
+def _drive(eng: Engine, outs: list, until) -> int:
+    """Run loop iterations until ``until()``; how many it took."""
+    for n in range(1, 200):
+        eng._iterate(None)
+        if until():
+            return n
+    raise AssertionError(f"not done after 200 iterations: {outs}")
+
+
+def _prompt(eng: Engine, text: str) -> list[int]:
+    return eng.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def test_a_request_that_arrives_meanwhile_goes_before_the_last_ones_pages(engine, monkeypatch):
+    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
+    eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
+    persisted = []
+    persist = eng.tiers.persist
+    eng.tiers.persist = lambda pages: (persisted.extend(p for p, *_ in pages), persist(pages))[1]
+    try:
+        a_out, b_out = [], []
+        eng.submit(_prompt(eng, "Count with me: " + " ".join(str(i) for i in range(20))), ONE, a_out.append)
+        _drive(eng, a_out, lambda: a_out and a_out[-1].finished)
+        left = sum(len(t) - i for t, _, i in eng._to_persist)
+        assert left >= 3 and len(persisted) <= 1  # a chunk at most after its step, the rest waits
+        eng.submit(_prompt(eng, "Hello"), ONE, b_out.append)  # arrives before the loop is idle
+        eng._iterate(None)  # takes B and runs its step before anything more of A
+        assert b_out and b_out[-1].finished
+        assert sum(len(t) - i for t, _, i in eng._to_persist) >= left - 1
+        _drive(eng, b_out, lambda: not eng._to_persist)
+        assert eng.tiers.stats.kept_host >= left  # A's pages (and B's) reached the host tier after all
+    finally:
+        eng.shutdown()
+
+
+def test_a_page_taken_for_another_block_before_its_turn_is_skipped(engine):
+    eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
+    got = []
+    eng.tiers.persist = got.extend
+    try:
+        out = []
+        eng.submit(_prompt(eng, "Count with me: " + " ".join(str(i) for i in range(20))), ONE, out.append)
+        _drive(eng, out, lambda: out and out[-1].finished and not eng._to_persist)
+        table = [p for p in range(eng.blocks.num_blocks) if eng.blocks.named(p) is not None]
+        assert len(table) >= 3
+        names = [eng.blocks.named(p)[0] for p in table]
+        got.clear()
+        eng._to_persist.append([table, names, 0])  # queued as _finish queues a request's pages
+        reused = table[1]
+        name = eng.blocks._name[reused]
+        eng.blocks._name[reused] = b"another block".ljust(32, b".")  # evicted and filled again meanwhile
+        eng._persist(everything=True)
+        eng.blocks._name[reused] = name
+        assert [p for p, *_ in got] == [p for p in table if p != reused]
+        # the others keep their own chain's parents
+        assert got[0][3] is None and all(g[3] == names[table.index(g[0]) - 1] for g in got[1:])
+    finally:
+        eng.shutdown()
+
+
+def test_a_shutdown_keeps_what_had_not_gone_down_yet(engine, tmp_path, monkeypatch):
+    """The queue is emptied before the tiers close: a restart on the same store finds the request's pages."""
+    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
+    eng = _engine(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    ids = _prompt(eng, "Count with me: " + " ".join(str(i) for i in range(20)))
+    out = []
+    eng.submit(ids, ONE, out.append)
+    _drive(eng, out, lambda: out and out[-1].finished)
+    assert sum(len(t) - i for t, _, i in eng._to_persist) >= 3  # most of its pages still queued
+    eng._stopping = True
+    eng._loop()  # what the loop thread runs as it stops
+    assert not eng._to_persist
+    eng.shutdown()
+    again = _engine(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    again.start()
+    try:
+        assert again.generate_sync(ids + [ids[-1]], ONE).cached_tokens == len(ids) // 16 * 16 >= 48
+    finally:
+        again.shutdown()
