@@ -56,9 +56,15 @@ Emit = Callable[[RequestOutput | BaseException], None]
 PLACEHOLDER = -1
 PUMP_POLL_S = 0.001  # while idle with kept pages still to copy down: how often the next chunk is tried
 # a finished request's pages handed to the tiers this many at a time, between which a new request goes
-# first (a 27k-token request's 1,700 pages took ~5-8 ms of the engine thread on the H200, and the next
-# request, sent as soon as the client had the last token, waited for all of it)
+# first while idle (a 27k-token request's 1,700 pages took ~5-8 ms of the engine thread on the H200, and
+# the next request, sent as soon as the client had the last token, waited for all of it)
 PERSIST_CHUNK = 256
+# after a step, the pages of requests that ended before it go on for this share of the step's time (at
+# least one chunk): under back-to-back long prompts the loop is never idle, and with one chunk a step
+# the pages left waiting were evicted by later prompts before they went down, as spills (gathered
+# beside those prompts, then copied both ways at once beside a restore: the H200's first host turn
+# after a burst went 88 -> 152 ms)
+PERSIST_SHARE = 0.02
 
 
 @dataclass
@@ -128,7 +134,8 @@ class Engine:
         self._emitters: dict[str, Emit] = {}
         self._seqs: dict[str, Sequence] = {}
         self._followers: dict[str, list[Sequence]] = {}  # leader's request id -> requests parked behind it
-        # finished requests' pages still to hand to the tiers: [pages, block names, next index] (_persist)
+        # finished requests' pages still to hand to the tiers: [pages, block names, next index, steps run
+        # when it ended] (_persist)
         self._to_persist: collections.deque = collections.deque()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -376,7 +383,7 @@ class Engine:
             # device's. Anything new (a request, an abort) first waits for the step in flight.
             following = None if drained else self._launch_following(inflight)
             self._complete(inflight)
-            self._persist()
+            self._persist()  # (one chunk: the step after it is on the device already)
             self._pump()
             return following
         if not self.scheduler.has_work():
@@ -444,20 +451,29 @@ class Engine:
         if pure_prefill:  # (no chunks without tiers)
             self.tiers.planner.observe_prefill(chunks, t1 - t0)
         self._take_tokens(batch, tokens, logprobs)
-        self._persist()
+        self._persist(budget_s=PERSIST_SHARE * (t1 - t0))
         self.loop_seconds["post"] += time.perf_counter() - t1
         return None
 
-    def _persist(self, everything: bool = False) -> None:
+    def _persist(self, everything: bool = False, budget_s: float = 0.0) -> None:
         """Hand finished requests' named pages to the tiers (``KVTiers.persist``), ``PERSIST_CHUNK`` at a
-        time: one chunk, or (``everything``) until none is left, stopping as soon as a new request or
-        an abort is in the inbox (then it goes first; the rest follows after its step). A page taken
-        for another block since its request ended is skipped: when it was evicted the tiers got its
-        copy (``KVTiers.spill``), and its K/V now belong to another block."""
-        named = self.blocks.named
-        while self._to_persist and (self._inbox.empty() or self._stopping):
+        time. While idle (``everything``): until none is left, stopping as soon as a new request or
+        an abort is in the inbox (it goes first). After a step: one chunk, and more of the requests
+        that ended before that step while ``budget_s`` lasts (those that ended in it wait for the
+        loop to be idle, or for the next step: a turn sent as soon as its client had the last token
+        is not held up by them). A page taken for another block since its request ended is skipped:
+        when it was evicted the tiers got its copy (``KVTiers.spill``), and its K/V now belong to
+        another block."""
+        named, t0, chunks = self.blocks.named, time.perf_counter(), 0
+        while self._to_persist:
             entry = self._to_persist[0]
-            table, names, start = entry
+            if everything:
+                if not self._stopping and not self._inbox.empty():
+                    return
+            elif chunks and (entry[3] == self.loop_steps or time.perf_counter() - t0 >= budget_s):
+                return
+            chunks += 1
+            table, names, start, _ = entry
             end = min(start + PERSIST_CHUNK, len(table))
             pages = []
             for i in range(start, end):
@@ -471,8 +487,6 @@ class Engine:
                 entry[2] = end
             if pages:
                 self.tiers.persist(pages)
-            if not everything:
-                return
 
     def _pump(self) -> bool:
         """One more chunk of kept pages to host RAM, between decode steps or while idle (never while
@@ -629,7 +643,7 @@ class Engine:
             # after the client has its last token, and after any request that comes in meanwhile
             # (_persist): the conversation so far goes to host RAM and to disk in the background, so
             # a later turn, even after a restart, finds it there
-            self._to_persist.append([table, list(seq.block_names), 0])
+            self._to_persist.append([table, list(seq.block_names), 0, self.loop_steps])
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         self.scheduler.finish(seq, "error")

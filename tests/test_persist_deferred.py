@@ -12,11 +12,12 @@ from qml_runtime.sampling_params import SamplingParams
 ONE = SamplingParams(max_tokens=1, temperature=0)
 
 
-def _engine(engine, tmp_path=None, **cache) -> Engine:
+def _engine(engine, scheduler: SchedulerConfig | None = None, **cache) -> Engine:
     """Not started: the test drives the loop (``_iterate``) on its own thread."""
     cfg = CacheConfig(block_size=16, **cache)
     return Engine(engine.model, engine.tokenizer, engine.model_config, model_id="persist", device=engine.device,
-                  dtype=engine.dtype, cache=cfg, scheduler=SchedulerConfig(), fingerprint=engine.scheduler.fingerprint)
+                  dtype=engine.dtype, cache=cfg, scheduler=scheduler or SchedulerConfig(),
+                  fingerprint=engine.scheduler.fingerprint)
 
 
 def _drive(eng: Engine, outs: list, until) -> int:
@@ -34,6 +35,7 @@ def _prompt(eng: Engine, text: str) -> list[int]:
 
 def test_a_request_that_arrives_meanwhile_goes_before_the_last_ones_pages(engine, monkeypatch):
     monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)  # one chunk after a step
     eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
     persisted = []
     persist = eng.tiers.persist
@@ -42,14 +44,40 @@ def test_a_request_that_arrives_meanwhile_goes_before_the_last_ones_pages(engine
         a_out, b_out = [], []
         eng.submit(_prompt(eng, "Count with me: " + " ".join(str(i) for i in range(20))), ONE, a_out.append)
         _drive(eng, a_out, lambda: a_out and a_out[-1].finished)
-        left = sum(len(t) - i for t, _, i in eng._to_persist)
+        left = sum(len(t) - i for t, _, i, _ in eng._to_persist)
         assert left >= 3 and len(persisted) <= 1  # a chunk at most after its step, the rest waits
         eng.submit(_prompt(eng, "Hello"), ONE, b_out.append)  # arrives before the loop is idle
         eng._iterate(None)  # takes B and runs its step before anything more of A
         assert b_out and b_out[-1].finished
-        assert sum(len(t) - i for t, _, i in eng._to_persist) >= left - 1
+        assert sum(len(t) - i for t, _, i, _ in eng._to_persist) >= left - 1
         _drive(eng, b_out, lambda: not eng._to_persist)
         assert eng.tiers.stats.kept_host >= left  # A's pages (and B's) reached the host tier after all
+    finally:
+        eng.shutdown()
+
+
+def test_a_queue_of_prompts_does_not_starve_the_pages_of_those_before(engine, monkeypatch):
+    """Back to back, the loop is never idle: after each step the pages of the requests that ended
+    before it go down for a share of that step's time, so a later prompt does not evict them first.
+    Those of the request that ended in the step itself wait (one chunk) for the next."""
+    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 1e3)  # the whole backlog after a step
+    # one prompt a step
+    eng = _engine(engine, SchedulerConfig(max_batched_tokens=96), num_blocks=64, host_bytes=64 * 2**20)
+    try:
+        outs = [[] for _ in range(3)]
+        for i, out in enumerate(outs):  # all queued at once: the loop is not idle between them
+            eng.submit(_prompt(eng, f"Prompt {i}: " + " ".join(str(j) for j in range(20))), ONE, out.append)
+        _drive(eng, outs[0], lambda: outs[0] and outs[0][-1].finished)
+        assert not outs[1]
+        (first, _, done, _), = eng._to_persist
+        assert done == 1 < len(first)  # one chunk after its own step
+        _drive(eng, outs[1], lambda: outs[1] and outs[1][-1].finished)
+        assert not outs[2]
+        # the first's went after the second's step, in full; the second's waits for the next
+        (second, _, done, _), = eng._to_persist
+        assert second is not first and done == 0
+        _drive(eng, outs[2], lambda: all(o and o[-1].finished for o in outs) and not eng._to_persist)
     finally:
         eng.shutdown()
 
@@ -66,7 +94,7 @@ def test_a_page_taken_for_another_block_before_its_turn_is_skipped(engine):
         assert len(table) >= 3
         names = [eng.blocks.named(p)[0] for p in table]
         got.clear()
-        eng._to_persist.append([table, names, 0])  # queued as _finish queues a request's pages
+        eng._to_persist.append([table, names, 0, -1])  # queued as _finish queues a request's pages
         reused = table[1]
         name = eng.blocks._name[reused]
         eng.blocks._name[reused] = b"another block".ljust(32, b".")  # evicted and filled again meanwhile
@@ -82,12 +110,13 @@ def test_a_page_taken_for_another_block_before_its_turn_is_skipped(engine):
 def test_a_shutdown_keeps_what_had_not_gone_down_yet(engine, tmp_path, monkeypatch):
     """The queue is emptied before the tiers close: a restart on the same store finds the request's pages."""
     monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)  # one chunk after a step
     eng = _engine(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
     ids = _prompt(eng, "Count with me: " + " ".join(str(i) for i in range(20)))
     out = []
     eng.submit(ids, ONE, out.append)
     _drive(eng, out, lambda: out and out[-1].finished)
-    assert sum(len(t) - i for t, _, i in eng._to_persist) >= 3  # most of its pages still queued
+    assert sum(len(t) - i for t, _, i, _ in eng._to_persist) >= 3  # most of its pages still queued
     eng._stopping = True
     eng._loop()  # what the loop thread runs as it stops
     assert not eng._to_persist
