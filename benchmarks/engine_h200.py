@@ -20,8 +20,10 @@ Sections (each runs on its own; a failure is recorded and the next one runs):
 - ``graphprofile``: the engine's served decode (CUDA graphs, as ``engine`` runs it) under the
   profiler, at 1 and ``--concurrency`` sequences: kernel time per step beside the step's wall
   time, so the gap between the kernels (launch latency, idle SMs) shows.
-- ``hostturn``: a 219-token turn over a 27k-token history restored from host RAM: the loop's
-  split and a profile (the sessions bench's host case, without the server).
+- ``hostturn``, ``gputurn``, ``afterfresh`` (``engine_turns.py``): the next turn of a 27k-token
+  conversation, its history restored from host RAM, in GPU memory, or in GPU memory right after an
+  unrelated long prompt (the sessions bench's cases, without the server); ``--timeline``: the
+  device's work per stream and bin, ``--sample-stacks``: the engine thread's stack every ms.
 - ``prefillprobe``: fresh prefills of 1k-4k tokens timed in two engine starts, three of them
   profiled (GPU kernel time, launches, host syncs): where a mid-size prefill's time goes.
 
@@ -33,12 +35,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import platform
 import statistics
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -49,30 +49,25 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine_common import (
+    RESULTS,
+    _concurrent_requests,
+    _kernel_rows,
+    _loop_counters,
+    _served_engine,
+    _timed_request,
+    free_memory,
+    record,
+    sync,
+)
+from engine_turns import section_afterfresh, section_gputurn, section_hostturn
+
 from qml_kernels.attention import AttentionMetadata, paged_attention_ref
 from qml_kernels.workbench.spec import Case
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.sampling_params import SamplingParams
 
 SEED_SIZES = (133, 598, 2340, 8892, 26926)
-RESULTS: dict = {}
-
-
-def record(section: str, **values) -> None:
-    RESULTS.setdefault(section, {}).update(values)
-    print(f"[{section}] " + ", ".join(f"{k}={v}" for k, v in values.items() if not isinstance(v, (list, dict))),
-          flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # --- attention -------------------------------------------------------------------------------
@@ -200,76 +195,6 @@ def section_transformers(args, device) -> None:
 
 
 # --- engine ----------------------------------------------------------------------------------
-
-def _served_engine(args, device, kv_host_gib: float = 0, **tiers):
-    """The preset's engine as the engine sections measure it (random weights, no host tier unless
-    ``kv_host_gib``, no disk tier unless ``tiers`` name one)."""
-    from qml_runtime.loader import load_engine
-
-    return load_engine(f"preset:{args.preset}", random_weights=True, device=str(device),
-                       kv_cache_gib=args.kv_cache_gib, max_num_seqs=64, max_tokens_alone=32768,
-                       kv_host_gib=kv_host_gib, progress=False, **tiers)
-
-
-def _timed_request(engine, ids: list[int], params: SamplingParams, tokens: list[int] | None = None) -> list[float]:
-    """Submit one request; returns the arrival time of each token (perf_counter), from submit = 0.
-    ``tokens``: a list the request's token ids are appended to."""
-    done, stamps = threading.Event(), []
-    t0 = time.perf_counter()
-
-    def emit(out):
-        if isinstance(out, BaseException):
-            stamps.append(out)
-            done.set()
-            return
-        now = time.perf_counter() - t0
-        stamps.extend([now] * len(out.token_ids))
-        if tokens is not None:
-            tokens.extend(out.token_ids)
-        if out.finished:
-            done.set()
-
-    engine.submit(ids, params, emit)
-    done.wait()
-    if stamps and isinstance(stamps[-1], BaseException):
-        raise stamps[-1]
-    return stamps
-
-
-def _concurrent_requests(engine, prompts: list[list[int]], params: SamplingParams,
-                         tokens: list[list[int]] | None = None) -> list[list[float]]:
-    """Submit every prompt at once (a thread each); each request's token stamps (``_timed_request``),
-    and its token ids into ``tokens[i]`` when given."""
-    results = [None] * len(prompts)
-
-    def one(i):
-        results[i] = _timed_request(engine, prompts[i], params, None if tokens is None else tokens[i])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return results
-
-
-def _kernel_rows(prof, cuda: bool = True) -> list[tuple[str, int, float]]:
-    """(kernel, calls, ms) of a profile, longest first: GPU time, or on CPU the ops' own time."""
-    rows = []
-    for e in prof.key_averages():
-        if cuda and "CPU" in str(getattr(e, "device_type", "")):
-            continue  # (with CPU activity on, an op's device time would count its kernels twice)
-        t = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
-            else e.self_cpu_time_total
-        if t > 0:
-            rows.append((e.key[:90], e.count, t / 1e3))
-    return sorted(rows, key=lambda r: -r[2])
-
-
-def _loop_counters(engine) -> dict:
-    """The engine thread's cumulative time split (schedule / step / post, launch inside step) and steps."""
-    return dict(engine.loop_seconds, launch=engine.runner.launch_seconds, steps=engine.loop_steps)
-
 
 def section_engine(args, device) -> None:
     t0 = time.perf_counter()
@@ -478,191 +403,6 @@ def section_prefillprobe(args, device) -> None:
         engine.shutdown()
         del engine
         free_memory()
-
-
-def section_hostturn(args, device) -> None:
-    """A 219-token turn over a 27k-token history pushed into host RAM (the sessions bench's host
-    case, in-process): the engine loop's split (schedule / step / post) and a profile of the turn."""
-    import tempfile
-
-    from loop_profile import TurnProfile, device_timeline  # beside this script
-    from torch.profiler import ProfilerActivity, profile
-
-    # the sessions bench's GPU pool (--kv-cache-gib 10), more host RAM: the turns here must not fill it
-    disk = tempfile.mkdtemp(prefix="qml-hostturn-") if args.kv_disk_gib else None
-    engine = _served_engine(args, device, kv_host_gib=5 * args.kv_cache_gib, kv_disk_dir=disk,
-                            kv_disk_gib=args.kv_disk_gib or None)
-    engine.start()
-    turn_prof = TurnProfile() if args.profile_turn else None
-    V = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(6)
-    one = SamplingParams(max_tokens=1, temperature=0.0)
-    n_hist = min(27120, engine.context_length // 2)
-    hist = torch.randint(300, V, (n_hist,), generator=gen).tolist()
-    _timed_request(engine, hist, one)
-    pool_tokens = engine.blocks.num_blocks * engine.blocks.block_size
-    turns = []
-    for i in range(args.turns):
-        other = min(20000, n_hist)
-        n_other = -(-pool_tokens // other) + 1
-        timeline = None
-        for j in range(n_other):  # other prompts push the history into host RAM
-            if args.timeline and i == 0 and j == n_other - 1 and device.type == "cuda":
-                # the device from the burst's last prompt on: what its aftermath leaves beside the turn
-                timeline = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-                timeline.__enter__()
-            _timed_request(engine, torch.randint(300, V, (other,), generator=gen).tolist(), one)
-        hist = hist + torch.randint(300, V, (219,), generator=gen).tolist()
-        was, restored = _loop_counters(engine), engine.tiers.stats.restored_host
-        # what is still on its way down when the turn arrives: kept pages not yet pumped, disk writes queued
-        backlog = {"deferred_pages": engine.tiers.deferred,
-                   "pending_write_gib": round(engine.tiers.pending_write_bytes / 2**30, 2)}
-        if args.sample_stacks and i == 0:  # the first turn after the burst: where the engine thread was
-            from loop_profile import StackSampler
-
-            sampler = StackSampler(engine._thread.ident)
-            sampler.start()
-            t = _timed_request(engine, hist, one)[0] * 1e3
-            sampler.stop()
-            text = sampler.summary()
-            (args.out / "hostturn-turn1-stacks.txt").write_text(text)
-            print(text[:9000], flush=True)
-        elif timeline is not None:
-            with torch.profiler.record_function("turn-submit"):
-                pass
-            t = _timed_request(engine, hist, one)[0] * 1e3
-            timeline.__exit__(None, None, None)
-            text = device_timeline(timeline, args.out / "hostturn-turn1-trace.json", marker="turn-submit")
-            (args.out / "hostturn-turn1-timeline.txt").write_text(text)
-            print(text[:8000], flush=True)
-        elif i == 0 and turn_prof is not None:  # the first turn after the burst: where its host time goes
-            with turn_prof.turn():
-                t = _timed_request(engine, hist, one)[0] * 1e3
-            text = turn_prof.dump(args.out / f"hostturn-turn1-cprofile{'-disk' if disk else ''}.txt", 45)
-            print(text[:6000], flush=True)
-        elif i == 2 and turn_prof is not None and device.type == "cuda":
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                t = _timed_request(engine, hist, one)[0] * 1e3
-            (args.out / "hostturn-profile.txt").write_text(
-                prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
-            cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-            (args.out / "hostturn-profile-cpu.txt").write_text(cpu)
-            print(cpu, flush=True)
-        else:
-            t = _timed_request(engine, hist, one)[0] * 1e3
-        now = _loop_counters(engine)
-        split = {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post", "launch")}
-        st = engine.tiers.stats
-        turns.append({"ttft_ms": round(t, 2), "restored_pages": st.restored_host - restored,
-                      "spilled_host": st.spilled_host, "kept_host": st.kept_host,
-                      "steps": now["steps"] - was["steps"], "loop_ms": split, "backlog": backlog,
-                      "written_disk": st.written_disk, "persist_skipped": st.persist_skipped,
-                      "rates": engine.tiers.planner.rates()})
-        print("host turn:", turns[-1], flush=True)
-    record("hostturn", turns=turns)
-    engine.shutdown()
-
-
-def section_gputurn(args, device) -> None:
-    """A short turn over a 27k-token history still in GPU memory (the sessions bench's GPU case,
-    in-process), of 219 and of 150 new tokens (that bench's turn before and after kept replies,
-    qml_server.replies): TTFT of three turns, then the fourth's kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    engine = _served_engine(args, device)
-    engine.start()
-    V = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(7)
-    one = SamplingParams(max_tokens=1, temperature=0.0)
-    hist = torch.randint(300, V, (min(27120, engine.context_length // 2),), generator=gen).tolist()
-    _timed_request(engine, hist, one)
-    from loop_profile import TurnProfile  # beside this script
-
-    turn_prof = TurnProfile() if args.profile_turn else None
-    results = {}
-    for new in (219, 150):
-        times, splits = [], []
-        for _ in range(3):
-            hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
-            was = _loop_counters(engine)
-            times.append(round(_timed_request(engine, hist, one)[0] * 1e3, 2))
-            now = _loop_counters(engine)  # the TTFT outside these is submit, wake-up and emit
-            splits.append({k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post", "launch")})
-        if turn_prof is not None:
-            hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
-            with turn_prof.turn():
-                _timed_request(engine, hist, one)
-            turn_prof.dump(args.out / f"gputurn-{new}-cprofile.txt", 45)
-            turn_prof.prof.clear()
-        hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
-        cuda = device.type == "cuda"
-        acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-        with profile(activities=acts + ([ProfilerActivity.CPU] if cuda and args.timeline else [])) as prof:
-            with torch.profiler.record_function("turn-submit"):
-                pass
-            wall = _timed_request(engine, hist, one)[0] * 1e3
-        if args.timeline and cuda:
-            from loop_profile import device_timeline
-
-            text = device_timeline(prof, args.out / f"gputurn-{new}-trace.json", bin_ms=1.0, marker="turn-submit")
-            (args.out / f"gputurn-{new}-timeline.txt").write_text(text)
-            print(text[:6000], flush=True)
-        rows = _kernel_rows(prof, cuda)
-        results[str(new)] = {"ttft_ms": times, "loop_ms": splits, "profiled_ttft_ms": round(wall, 2),
-                             "gpu_ms": round(sum(r[2] for r in rows), 2),
-                             "top": [{"kernel": k[:90], "calls": c, "ms": round(ms, 3)} for k, c, ms in rows[:12]]}
-        print(f"gpu turn {new}:", json.dumps(results[str(new)]), flush=True)
-    record("gputurn", **results)
-    engine.shutdown()
-
-
-def section_afterfresh(args, device) -> None:
-    """The sessions bench's second GPU-history turn, in-process: a 150-token turn over a 27k-token
-    history still in GPU memory, sent right after an unrelated 27k-token prompt has finished (whose
-    pages then go down to host RAM, and to disk with ``--kv-disk-gib``). TTFT of three such turns,
-    with what was still on its way down when each arrived; ``--timeline``: the device and the host's
-    launches from the fresh prompt through the first turn."""
-    import tempfile
-
-    from loop_profile import device_timeline  # beside this script
-    from torch.profiler import ProfilerActivity, profile
-
-    disk = tempfile.mkdtemp(prefix="qml-afterfresh-") if args.kv_disk_gib else None
-    engine = _served_engine(args, device, kv_host_gib=4 * args.kv_cache_gib, kv_disk_dir=disk,
-                            kv_disk_gib=args.kv_disk_gib or None)
-    engine.start()
-    V = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(8)
-    one = SamplingParams(max_tokens=1, temperature=0.0)
-    n_hist = min(27120, engine.context_length // 2)
-    hist = torch.randint(300, V, (n_hist,), generator=gen).tolist()
-    _timed_request(engine, hist, one)
-    turns = []
-    for i in range(3):
-        timeline = None
-        if args.timeline and i == 0 and device.type == "cuda":
-            timeline = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            timeline.__enter__()
-        fresh = _timed_request(engine, torch.randint(300, V, (n_hist,), generator=gen).tolist(), one)[0] * 1e3
-        hist = hist + torch.randint(300, V, (150,), generator=gen).tolist()
-        backlog = {"deferred_pages": engine.tiers.deferred,
-                   "pending_write_gib": round(engine.tiers.pending_write_bytes / 2**30, 2)}
-        was = _loop_counters(engine)
-        if timeline is not None:
-            with torch.profiler.record_function("turn-submit"):
-                pass
-        t = _timed_request(engine, hist, one)[0] * 1e3
-        now = _loop_counters(engine)
-        if timeline is not None:
-            timeline.__exit__(None, None, None)
-            text = device_timeline(timeline, args.out / "afterfresh-trace.json", bin_ms=2.0, marker="turn-submit")
-            (args.out / f"afterfresh-timeline{'-disk' if disk else ''}.txt").write_text(text)
-            print(text[:7000], flush=True)
-        turns.append({"ttft_ms": round(t, 2), "fresh_ms": round(fresh, 1), "backlog": backlog,
-                      "loop_ms": {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post")}})
-        print("after fresh:", turns[-1], flush=True)
-    record("afterfresh", disk=bool(disk), turns=turns)
-    engine.shutdown()
 
 
 def section_graphprofile(args, device) -> None:

@@ -79,6 +79,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Flush:
+    done: threading.Event
+
+
 def _packed_ids(ids: list, vocab: int) -> bytes | None:
     """The ids packed as the prefix cache names them (``kv.prefix.pack``) if every one is an int (bool
     and other subclasses included) in [0, vocab), else None. On the caller's thread, before the
@@ -298,6 +303,22 @@ class Engine:
         self._inbox.put(_Abort(request_id))
         self._wakeup.set()
 
+    def flush_kv(self, timeout: float | None = 120.0) -> None:
+        """Wait until the pages of every request finished so far have gone to the KV tiers and the disk
+        writes queued for them have landed (tests, notebooks, a caller about to read the store). On
+        the engine thread when it runs: the tiers are not shared with other threads."""
+        if self.tiers is None:
+            return
+        if self._thread is None:
+            self._persist(everything=True, yield_to_inbox=False)
+            self.tiers.flush()
+            return
+        done = threading.Event()
+        self._inbox.put(_Flush(done))
+        self._wakeup.set()
+        if not done.wait(timeout):
+            raise TimeoutError(f"the KV tiers did not settle in {timeout} s")
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        tenant: str | None = None, session: str | None = None,
                        follow: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -370,9 +391,13 @@ class Engine:
                         self._fail(seq, exc)
         if inflight is not None:
             self._complete(inflight)
-        self._persist(everything=True)  # what finished is kept before the tiers close
+        self._persist(everything=True, yield_to_inbox=False)  # what finished is kept before the tiers close
         for seq in list(self._seqs.values()):
             self._finish(seq, "abort", "")
+        while not self._inbox.empty():  # a flush asked for as the loop stopped: shutdown flushes the tiers
+            msg = self._inbox.get_nowait()
+            if isinstance(msg, _Flush):
+                msg.done.set()
 
     def _iterate(self, inflight: Launched | None) -> Launched | None:
         """One turn of the loop; returns the decode step left in flight, if any."""
@@ -455,7 +480,7 @@ class Engine:
         self.loop_seconds["post"] += time.perf_counter() - t1
         return None
 
-    def _persist(self, everything: bool = False, budget_s: float = 0.0) -> None:
+    def _persist(self, everything: bool = False, budget_s: float = 0.0, yield_to_inbox: bool = True) -> None:
         """Hand finished requests' named pages to the tiers (``KVTiers.persist``), ``PERSIST_CHUNK`` at a
         time. While idle (``everything``): until none is left, stopping as soon as a new request or
         an abort is in the inbox (it goes first). After a step: one chunk, and more of the requests
@@ -468,7 +493,7 @@ class Engine:
         while self._to_persist:
             entry = self._to_persist[0]
             if everything:
-                if not self._stopping and not self._inbox.empty():
+                if yield_to_inbox and not self._stopping and not self._inbox.empty():
                     return
             elif chunks and (entry[3] == self.loop_steps or time.perf_counter() - t0 >= budget_s):
                 return
@@ -592,6 +617,10 @@ class Engine:
                     self._followers.setdefault(leader.request_id, []).append(msg.seq)
                 else:
                     self.scheduler.add(msg.seq)
+            elif isinstance(msg, _Flush):
+                self._persist(everything=True, yield_to_inbox=False)
+                self.tiers.flush()
+                msg.done.set()
             elif msg.request_id in self._seqs:
                 self._finish(self._seqs[msg.request_id], "abort", "")
 

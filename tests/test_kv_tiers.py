@@ -318,7 +318,7 @@ def test_a_kept_page_evicted_before_its_copy_is_copied_as_a_spill(engine, expect
             eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": q}]), GREEDY)
             _deferred_owners_agree(eng)
         if disk:
-            eng.tiers.flush()  # the writer drains: what the host tier gave up is on disk
+            eng.flush_kv()  # the writer drains: what the host tier gave up is on disk
         out = eng.generate_sync(ids2, GREEDY)
         assert out.cached_tokens == cacheable >= 32 and out.token_ids == expected
         assert eng.tiers.stats.restored_host + eng.tiers.stats.restored_disk > 0
@@ -361,7 +361,7 @@ def test_a_full_host_tier_waits_only_for_the_slot_it_evicts(engine, tmp_path, mo
     try:
         for q in ("Describe the sea.", "What is a prime number?", "Tell me about Paris.", "Why is grass green?"):
             eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": q}]), GREEDY)
-        eng.tiers.flush()
+        eng.flush_kv()
         assert counts["evictions"] >= 4, "the host tier never had to evict to disk"
         # a flush only where the evicted slot's copy was still pending: a minority of evictions
         assert counts["flushes"] < counts["evictions"] / 2, counts

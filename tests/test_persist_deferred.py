@@ -127,3 +127,22 @@ def test_a_shutdown_keeps_what_had_not_gone_down_yet(engine, tmp_path, monkeypat
         assert again.generate_sync(ids + [ids[-1]], ONE).cached_tokens == len(ids) // 16 * 16 >= 48
     finally:
         again.shutdown()
+
+
+def test_flush_kv_waits_for_the_pages_and_their_disk_writes(engine, tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)
+    eng = _engine(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    put = eng.tiers.disk.put
+    eng.tiers.disk.put = lambda *a: (time.sleep(0.05), put(*a))[1]  # a slow disk
+    eng.start()
+    try:
+        ids = _prompt(eng, "Count with me: " + " ".join(str(i) for i in range(20)))
+        eng.generate_sync(ids, ONE)
+        eng.flush_kv()
+        assert len(eng.tiers.disk) == len(ids) // 16 >= 3 and not eng._to_persist
+    finally:
+        eng.shutdown()
+    eng.flush_kv()  # stopped: nothing left to wait for, and no thread to ask

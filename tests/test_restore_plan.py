@@ -297,3 +297,21 @@ def test_only_chunks_from_the_start_of_a_history_scale_the_curve():
     assert planner.prefill_scale == 1.0
     planner.observe_prefill([(0, 8892)], 100.0)  # one wild step moves the scale a bounded amount
     assert planner.prefill_scale == pytest.approx(0.5 + 0.5 * 4.0)
+
+
+def test_the_disk_probe_counts_a_share_of_what_it_read_alone():
+    """The start-up probe reads with nothing beside it; a restore reads beside its recompute, slower."""
+    from qml_runtime.kv import tiers as tiers_mod
+
+    class Disk:
+        def probe_names(self, nbytes):
+            return [b"a", b"b", b"c"]
+
+        def cold_read(self, name):
+            return 1000
+
+    probe = tiers_mod.KVTiers.__new__(tiers_mod.KVTiers)  # only what the probe touches
+    probe.disk, probe.planner, seen = Disk(), RestorePlanner(), []
+    probe.planner.observe = lambda kind, amount, seconds: seen.append((kind, amount))
+    probe._probe_disk()
+    assert 0 < tiers_mod.PROBE_SHARE < 1 and seen == [("disk", tiers_mod.PROBE_SHARE * 3000)]

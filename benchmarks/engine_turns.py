@@ -1,0 +1,197 @@
+"""The engine benchmark's turn probes (``engine_h200.py --sections hostturn,gputurn,afterfresh``): the next
+turn of a 27k-token conversation, its history in host RAM or in GPU memory, timed in-process; with
+``--timeline`` the device's work per stream and bin, with ``--sample-stacks`` the engine thread's stack."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from engine_common import _kernel_rows, _loop_counters, _served_engine, _timed_request, record
+
+from qml_runtime.sampling_params import SamplingParams
+
+
+def section_hostturn(args, device) -> None:
+    """A 219-token turn over a 27k-token history pushed into host RAM (the sessions bench's host
+    case, in-process): the engine loop's split (schedule / step / post) and a profile of the turn."""
+    import tempfile
+
+    from loop_profile import TurnProfile, device_timeline  # beside this script
+    from torch.profiler import ProfilerActivity, profile
+
+    # the sessions bench's GPU pool (--kv-cache-gib 10), more host RAM: the turns here must not fill it
+    disk = tempfile.mkdtemp(prefix="qml-hostturn-") if args.kv_disk_gib else None
+    engine = _served_engine(args, device, kv_host_gib=5 * args.kv_cache_gib, kv_disk_dir=disk,
+                            kv_disk_gib=args.kv_disk_gib or None)
+    engine.start()
+    turn_prof = TurnProfile() if args.profile_turn else None
+    V = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(6)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    n_hist = min(27120, engine.context_length // 2)
+    hist = torch.randint(300, V, (n_hist,), generator=gen).tolist()
+    _timed_request(engine, hist, one)
+    pool_tokens = engine.blocks.num_blocks * engine.blocks.block_size
+    turns = []
+    for i in range(args.turns):
+        other = min(20000, n_hist)
+        n_other = -(-pool_tokens // other) + 1
+        timeline = None
+        for j in range(n_other):  # other prompts push the history into host RAM
+            if args.timeline and i == 0 and j == n_other - 1 and device.type == "cuda":
+                # the device from the burst's last prompt on: what its aftermath leaves beside the turn
+                timeline = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                timeline.__enter__()
+            _timed_request(engine, torch.randint(300, V, (other,), generator=gen).tolist(), one)
+        hist = hist + torch.randint(300, V, (219,), generator=gen).tolist()
+        was, restored = _loop_counters(engine), engine.tiers.stats.restored_host
+        # what is still on its way down when the turn arrives: kept pages not yet pumped, disk writes queued
+        backlog = {"deferred_pages": engine.tiers.deferred,
+                   "pending_write_gib": round(engine.tiers.pending_write_bytes / 2**30, 2)}
+        if args.sample_stacks and i == 0:  # the first turn after the burst: where the engine thread was
+            from loop_profile import StackSampler
+
+            sampler = StackSampler(engine._thread.ident)
+            sampler.start()
+            t = _timed_request(engine, hist, one)[0] * 1e3
+            sampler.stop()
+            text = sampler.summary()
+            (args.out / "hostturn-turn1-stacks.txt").write_text(text)
+            print(text[:9000], flush=True)
+        elif timeline is not None:
+            with torch.profiler.record_function("turn-submit"):
+                pass
+            t = _timed_request(engine, hist, one)[0] * 1e3
+            timeline.__exit__(None, None, None)
+            text = device_timeline(timeline, args.out / "hostturn-turn1-trace.json", marker="turn-submit")
+            (args.out / "hostturn-turn1-timeline.txt").write_text(text)
+            print(text[:8000], flush=True)
+        elif i == 0 and turn_prof is not None:  # the first turn after the burst: where its host time goes
+            with turn_prof.turn():
+                t = _timed_request(engine, hist, one)[0] * 1e3
+            text = turn_prof.dump(args.out / f"hostturn-turn1-cprofile{'-disk' if disk else ''}.txt", 45)
+            print(text[:6000], flush=True)
+        elif i == 2 and turn_prof is not None and device.type == "cuda":
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t = _timed_request(engine, hist, one)[0] * 1e3
+            (args.out / "hostturn-profile.txt").write_text(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+            cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            (args.out / "hostturn-profile-cpu.txt").write_text(cpu)
+            print(cpu, flush=True)
+        else:
+            t = _timed_request(engine, hist, one)[0] * 1e3
+        now = _loop_counters(engine)
+        split = {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post", "launch")}
+        st = engine.tiers.stats
+        turns.append({"ttft_ms": round(t, 2), "restored_pages": st.restored_host - restored,
+                      "spilled_host": st.spilled_host, "kept_host": st.kept_host,
+                      "steps": now["steps"] - was["steps"], "loop_ms": split, "backlog": backlog,
+                      "written_disk": st.written_disk, "persist_skipped": st.persist_skipped,
+                      "rates": engine.tiers.planner.rates()})
+        print("host turn:", turns[-1], flush=True)
+    record("hostturn", turns=turns)
+    engine.shutdown()
+
+
+def section_gputurn(args, device) -> None:
+    """A short turn over a 27k-token history still in GPU memory (the sessions bench's GPU case,
+    in-process), of 219 and of 150 new tokens (that bench's turn before and after kept replies,
+    qml_server.replies): TTFT of three turns, then the fourth's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = _served_engine(args, device)
+    engine.start()
+    V = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    hist = torch.randint(300, V, (min(27120, engine.context_length // 2),), generator=gen).tolist()
+    _timed_request(engine, hist, one)
+    from loop_profile import TurnProfile  # beside this script
+
+    turn_prof = TurnProfile() if args.profile_turn else None
+    results = {}
+    for new in (219, 150):
+        times, splits = [], []
+        for _ in range(3):
+            hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
+            was = _loop_counters(engine)
+            times.append(round(_timed_request(engine, hist, one)[0] * 1e3, 2))
+            now = _loop_counters(engine)  # the TTFT outside these is submit, wake-up and emit
+            splits.append({k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post", "launch")})
+        if turn_prof is not None:
+            hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
+            with turn_prof.turn():
+                _timed_request(engine, hist, one)
+            turn_prof.dump(args.out / f"gputurn-{new}-cprofile.txt", 45)
+            turn_prof.prof.clear()
+        hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
+        cuda = device.type == "cuda"
+        acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+        with profile(activities=acts + ([ProfilerActivity.CPU] if cuda and args.timeline else [])) as prof:
+            with torch.profiler.record_function("turn-submit"):
+                pass
+            wall = _timed_request(engine, hist, one)[0] * 1e3
+        if args.timeline and cuda:
+            from loop_profile import device_timeline
+
+            text = device_timeline(prof, args.out / f"gputurn-{new}-trace.json", bin_ms=1.0, marker="turn-submit")
+            (args.out / f"gputurn-{new}-timeline.txt").write_text(text)
+            print(text[:6000], flush=True)
+        rows = _kernel_rows(prof, cuda)
+        results[str(new)] = {"ttft_ms": times, "loop_ms": splits, "profiled_ttft_ms": round(wall, 2),
+                             "gpu_ms": round(sum(r[2] for r in rows), 2),
+                             "top": [{"kernel": k[:90], "calls": c, "ms": round(ms, 3)} for k, c, ms in rows[:12]]}
+        print(f"gpu turn {new}:", json.dumps(results[str(new)]), flush=True)
+    record("gputurn", **results)
+    engine.shutdown()
+
+
+def section_afterfresh(args, device) -> None:
+    """The sessions bench's second GPU-history turn, in-process: a 150-token turn over a 27k-token
+    history still in GPU memory, sent right after an unrelated 27k-token prompt has finished (whose
+    pages then go down to host RAM, and to disk with ``--kv-disk-gib``). TTFT of three such turns,
+    with what was still on its way down when each arrived; ``--timeline``: the device and the host's
+    launches from the fresh prompt through the first turn."""
+    import tempfile
+
+    from loop_profile import device_timeline  # beside this script
+    from torch.profiler import ProfilerActivity, profile
+
+    disk = tempfile.mkdtemp(prefix="qml-afterfresh-") if args.kv_disk_gib else None
+    engine = _served_engine(args, device, kv_host_gib=4 * args.kv_cache_gib, kv_disk_dir=disk,
+                            kv_disk_gib=args.kv_disk_gib or None)
+    engine.start()
+    V = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(8)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    n_hist = min(27120, engine.context_length // 2)
+    hist = torch.randint(300, V, (n_hist,), generator=gen).tolist()
+    _timed_request(engine, hist, one)
+    turns = []
+    for i in range(3):
+        timeline = None
+        if args.timeline and i == 0 and device.type == "cuda":
+            timeline = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            timeline.__enter__()
+        fresh = _timed_request(engine, torch.randint(300, V, (n_hist,), generator=gen).tolist(), one)[0] * 1e3
+        hist = hist + torch.randint(300, V, (150,), generator=gen).tolist()
+        backlog = {"deferred_pages": engine.tiers.deferred,
+                   "pending_write_gib": round(engine.tiers.pending_write_bytes / 2**30, 2)}
+        was = _loop_counters(engine)
+        if timeline is not None:
+            with torch.profiler.record_function("turn-submit"):
+                pass
+        t = _timed_request(engine, hist, one)[0] * 1e3
+        now = _loop_counters(engine)
+        if timeline is not None:
+            timeline.__exit__(None, None, None)
+            text = device_timeline(timeline, args.out / "afterfresh-trace.json", bin_ms=2.0, marker="turn-submit")
+            (args.out / f"afterfresh-timeline{'-disk' if disk else ''}.txt").write_text(text)
+            print(text[:7000], flush=True)
+        turns.append({"ttft_ms": round(t, 2), "fresh_ms": round(fresh, 1), "backlog": backlog,
+                      "loop_ms": {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post")}})
+        print("after fresh:", turns[-1], flush=True)
+    record("afterfresh", disk=bool(disk), turns=turns)
+    engine.shutdown()
