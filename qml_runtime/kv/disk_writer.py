@@ -1,5 +1,8 @@
 """The disk tier's background writer: blocks handed over by the engine thread are copied down (when
-they are gathered GPU pages) and written as files, on one thread, off the request's critical path.
+they are gathered GPU pages) and written as files, on ``WRITER_THREADS`` threads, off the request's
+critical path. One thread (encoding, checksum, fsync: ~0.37 GB/s of KV on the H200 host) fell behind
+a burst of long prompts by the 4 GiB it may hold, and skipped their write-through; the threads share
+the disk's ~0.7-0.8 GB/s of writes (benchmarks/results/disk-read-h200-2026-12-02.md).
 
 Two kinds of work arrive (``KVTiers`` queues them):
 - ``put_pages``: a finished request's pages gathered into a GPU staging buffer (write-through). The
@@ -24,24 +27,29 @@ from qml_runtime.kv.prefix import unpack
 
 log = logging.getLogger("qml.kv.tiers")
 
-BOUNCE_PAGES = 64  # the pinned buffer between GPU staging and files (128 MiB at 2 MiB pages)
+BOUNCE_PAGES = 64  # the pinned buffer between GPU staging and files (128 MiB at 2 MiB pages), one a thread
+WRITER_THREADS = 4
 
 
 class DiskWriter:
-    def __init__(self, disk: DiskStore, block_bytes: int, stats):
+    def __init__(self, disk: DiskStore, block_bytes: int, stats, threads: int = WRITER_THREADS):
         """``stats``: the tiers' counters (``written_disk`` counts the blocks written)."""
         self.disk, self.block_bytes, self.stats = disk, block_bytes, stats
         self.pending_bytes = 0  # gathered pages handed over and not yet written
-        self._bounce = None  # allocated at the first GPU pages
-        self._stream = None
+        self._lock = threading.Lock()  # pending_bytes, the stats, and the names being written
+        self._writing: set[bytes] = set()  # a block queued twice is written once, by one thread
+        self._local = threading.local()  # each thread's bounce buffer and stream, made at its first GPU pages
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="qml-kv-writer", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._loop, name=f"qml-kv-writer-{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
 
     def put_pages(self, staging: torch.Tensor, ready, blocks: list[tuple[bytes, bytes, bytes | None]]) -> None:
         """Gathered pages (one row each) and their (name, packed tokens, parent name), valid once
         ``ready`` (an event, or None) has passed."""
-        self.pending_bytes += staging.numel()
+        with self._lock:
+            self.pending_bytes += staging.numel()
         self._queue.put(("pages", staging, ready, blocks))
 
     def put_block(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None, ready) -> None:
@@ -53,9 +61,11 @@ class DiskWriter:
         self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop the thread."""
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+        """Write what is queued, then stop the threads."""
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout=30)
 
     def _loop(self) -> None:
         while True:
@@ -78,8 +88,18 @@ class DiskWriter:
 
     def _write_one(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None) -> None:
         # queued twice before the first landed: one write is enough (and counts once)
-        if not self.disk.contains(name) and self.disk.put(name, parent, unpack(tokens), data):
-            self.stats.written_disk += 1  # put never raises: a failed write is a later miss
+        with self._lock:
+            if name in self._writing or self.disk.contains(name):
+                return
+            self._writing.add(name)
+        written = False
+        try:
+            written = self.disk.put(name, parent, unpack(tokens), data)  # never raises: a failure is a later miss
+        finally:
+            with self._lock:
+                self._writing.discard(name)
+                if written:
+                    self.stats.written_disk += 1
 
     def _write_pages(self, staging: torch.Tensor, ready, blocks: list) -> None:
         """Copy gathered pages down through the pinned bounce buffer, then to files."""
@@ -90,17 +110,19 @@ class DiskWriter:
                 for i, (name, tokens, parent) in enumerate(blocks):
                     self._write_one(name, tokens, staging[i], parent)
                 return
-            if self._bounce is None:
-                self._bounce = torch.empty((BOUNCE_PAGES, self.block_bytes), dtype=torch.uint8, pin_memory=True)
-                self._stream = torch.cuda.Stream(staging.device)  # not behind the compute stream's work
+            local = self._local
+            if getattr(local, "bounce", None) is None:
+                local.bounce = torch.empty((BOUNCE_PAGES, self.block_bytes), dtype=torch.uint8, pin_memory=True)
+                local.stream = torch.cuda.Stream(staging.device)  # not behind the compute stream's work
             for i in range(0, len(blocks), BOUNCE_PAGES):
                 n = min(BOUNCE_PAGES, len(blocks) - i)
-                with torch.cuda.stream(self._stream):
-                    self._bounce[:n].copy_(staging[i:i + n], non_blocking=True)
-                self._stream.synchronize()  # the buffer is reused next round
+                with torch.cuda.stream(local.stream):
+                    local.bounce[:n].copy_(staging[i:i + n], non_blocking=True)
+                local.stream.synchronize()  # the buffer is reused next round
                 for j in range(n):
                     name, tokens, parent = blocks[i + j]
-                    self._write_one(name, tokens, self._bounce[j], parent)
+                    self._write_one(name, tokens, local.bounce[j], parent)
         finally:
-            self.pending_bytes -= staging.numel()
+            with self._lock:
+                self.pending_bytes -= staging.numel()
             del staging

@@ -1,0 +1,65 @@
+"""The disk tier's background writer (``qml_runtime.kv.disk_writer``): several threads write what the
+engine hands over, each block once, and account for what they hold."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+
+from qml_runtime.kv.disk_store import DiskStore
+from qml_runtime.kv.disk_writer import DiskWriter
+from qml_runtime.kv.prefix import pack
+
+BLOCK = 64  # bytes of a block here
+
+
+def _name(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def test_threads_write_every_block_once(tmp_path):
+    store = DiskStore(tmp_path, b"f" * 32, budget_bytes=2**20)
+    stats = SimpleNamespace(written_disk=0)
+    writer = DiskWriter(store, BLOCK, stats, threads=4)
+    calls, lock = {}, threading.Lock()
+    put = store.put
+
+    def slow_put(name, *a):
+        with lock:
+            calls[name] = calls.get(name, 0) + 1
+        time.sleep(0.01)  # long enough for the copies queued behind it to reach another thread
+        return put(name, *a)
+
+    store.put = slow_put
+    rows = torch.arange(8 * BLOCK, dtype=torch.uint8).view(8, BLOCK)
+    blocks = [(_name(i), pack([i]), None) for i in range(8)]
+    writer.put_pages(rows.clone(), None, blocks)
+    writer.put_pages(rows.clone(), None, blocks)  # the same pages again, before the first landed
+    for i in range(4):
+        writer.put_block(_name(i), pack([i]), rows[i].clone(), None, None)
+    writer.join()
+    assert writer.pending_bytes == 0 and stats.written_disk == 8
+    assert calls == {_name(i): 1 for i in range(8)}
+    for i in range(8):
+        assert torch.equal(store.get(_name(i), [i]), rows[i])
+    writer.close()
+    assert not any(t.is_alive() for t in writer._threads)
+    store.close()
+
+
+def test_a_failed_write_is_not_counted_and_the_writers_go_on(tmp_path):
+    store = DiskStore(tmp_path, b"f" * 32, budget_bytes=2**20)
+    stats = SimpleNamespace(written_disk=0)
+    writer = DiskWriter(store, BLOCK, stats, threads=2)
+    put = store.put
+    store.put = lambda name, *a: False if name == _name(1) else put(name, *a)  # a full or failing disk
+    rows = torch.ones(3, BLOCK, dtype=torch.uint8)
+    writer.put_pages(rows, None, [(_name(i), pack([i]), None) for i in range(3)])
+    writer.join()
+    assert stats.written_disk == 2 and store.contains(_name(0)) and not store.contains(_name(1))
+    assert not writer._writing  # the failed name may be queued again
+    writer.close()
+    store.close()
