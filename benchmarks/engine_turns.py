@@ -12,26 +12,47 @@ from engine_common import _kernel_rows, _loop_counters, _served_engine, _timed_r
 from qml_runtime.sampling_params import SamplingParams
 
 
+def _tiered_engine(args, device, host_factor: int, prefix: str):
+    """The sessions bench's GPU pool (``--kv-cache-gib``) with ``host_factor`` times that of host RAM (the
+    turns must not fill it), and a disk tier in a temporary directory with ``--kv-disk-gib``: (engine, dir)."""
+    import tempfile
+
+    disk = tempfile.mkdtemp(prefix=prefix) if args.kv_disk_gib else None
+    return _served_engine(args, device, kv_host_gib=host_factor * args.kv_cache_gib, kv_disk_dir=disk,
+                          kv_disk_gib=args.kv_disk_gib or None), disk
+
+
+def _conversation(engine, seed: int):
+    """Start ``engine`` and prefill a history of ~27k random ids (one token generated). Returns
+    (``ids(n)``: n more random ids, the history, one-token greedy params)."""
+    engine.start()
+    vocab, gen = engine.model_config.vocab_size, torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(300, vocab, (n,), generator=gen).tolist()
+
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    hist = ids(min(27120, engine.context_length // 2))
+    _timed_request(engine, hist, one)
+    return ids, hist, one
+
+
+def _backlog(engine) -> dict:
+    """What is still on its way down: kept pages not yet pumped, disk writes queued."""
+    return {"deferred_pages": engine.tiers.deferred,
+            "pending_write_gib": round(engine.tiers.pending_write_bytes / 2**30, 2)}
+
+
 def section_hostturn(args, device) -> None:
     """A 219-token turn over a 27k-token history pushed into host RAM (the sessions bench's host
     case, in-process): the engine loop's split (schedule / step / post) and a profile of the turn."""
-    import tempfile
-
     from loop_profile import TurnProfile, device_timeline  # beside this script
     from torch.profiler import ProfilerActivity, profile
 
-    # the sessions bench's GPU pool (--kv-cache-gib 10), more host RAM: the turns here must not fill it
-    disk = tempfile.mkdtemp(prefix="qml-hostturn-") if args.kv_disk_gib else None
-    engine = _served_engine(args, device, kv_host_gib=5 * args.kv_cache_gib, kv_disk_dir=disk,
-                            kv_disk_gib=args.kv_disk_gib or None)
-    engine.start()
+    engine, disk = _tiered_engine(args, device, 5, "qml-hostturn-")
+    ids, hist, one = _conversation(engine, seed=6)
+    n_hist = len(hist)
     turn_prof = TurnProfile() if args.profile_turn else None
-    V = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(6)
-    one = SamplingParams(max_tokens=1, temperature=0.0)
-    n_hist = min(27120, engine.context_length // 2)
-    hist = torch.randint(300, V, (n_hist,), generator=gen).tolist()
-    _timed_request(engine, hist, one)
     pool_tokens = engine.blocks.num_blocks * engine.blocks.block_size
     turns = []
     for i in range(args.turns):
@@ -43,12 +64,10 @@ def section_hostturn(args, device) -> None:
                 # the device from the burst's last prompt on: what its aftermath leaves beside the turn
                 timeline = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                 timeline.__enter__()
-            _timed_request(engine, torch.randint(300, V, (other,), generator=gen).tolist(), one)
-        hist = hist + torch.randint(300, V, (219,), generator=gen).tolist()
+            _timed_request(engine, ids(other), one)
+        hist = hist + ids(219)
         was, restored = _loop_counters(engine), engine.tiers.stats.restored_host
-        # what is still on its way down when the turn arrives: kept pages not yet pumped, disk writes queued
-        backlog = {"deferred_pages": engine.tiers.deferred,
-                   "pending_write_gib": round(engine.tiers.pending_write_bytes / 2**30, 2)}
+        backlog = _backlog(engine)  # when the turn arrives
         if args.sample_stacks and i == 0:  # the first turn after the burst: where the engine thread was
             from loop_profile import StackSampler
 
@@ -102,12 +121,7 @@ def section_gputurn(args, device) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     engine = _served_engine(args, device)
-    engine.start()
-    V = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(7)
-    one = SamplingParams(max_tokens=1, temperature=0.0)
-    hist = torch.randint(300, V, (min(27120, engine.context_length // 2),), generator=gen).tolist()
-    _timed_request(engine, hist, one)
+    ids, hist, one = _conversation(engine, seed=7)
     from loop_profile import TurnProfile  # beside this script
 
     turn_prof = TurnProfile() if args.profile_turn else None
@@ -115,18 +129,18 @@ def section_gputurn(args, device) -> None:
     for new in (219, 150):
         times, splits = [], []
         for _ in range(3):
-            hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
+            hist = hist + ids(new)
             was = _loop_counters(engine)
             times.append(round(_timed_request(engine, hist, one)[0] * 1e3, 2))
             now = _loop_counters(engine)  # the TTFT outside these is submit, wake-up and emit
             splits.append({k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post", "launch")})
         if turn_prof is not None:
-            hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
+            hist = hist + ids(new)
             with turn_prof.turn():
                 _timed_request(engine, hist, one)
             turn_prof.dump(args.out / f"gputurn-{new}-cprofile.txt", 45)
             turn_prof.prof.clear()
-        hist = hist + torch.randint(300, V, (new,), generator=gen).tolist()
+        hist = hist + ids(new)
         cuda = device.type == "cuda"
         acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
         with profile(activities=acts + ([ProfilerActivity.CPU] if cuda and args.timeline else [])) as prof:
@@ -154,31 +168,21 @@ def section_afterfresh(args, device) -> None:
     pages then go down to host RAM, and to disk with ``--kv-disk-gib``). TTFT of three such turns,
     with what was still on its way down when each arrived; ``--timeline``: the device and the host's
     launches from the fresh prompt through the first turn."""
-    import tempfile
-
     from loop_profile import device_timeline  # beside this script
     from torch.profiler import ProfilerActivity, profile
 
-    disk = tempfile.mkdtemp(prefix="qml-afterfresh-") if args.kv_disk_gib else None
-    engine = _served_engine(args, device, kv_host_gib=4 * args.kv_cache_gib, kv_disk_dir=disk,
-                            kv_disk_gib=args.kv_disk_gib or None)
-    engine.start()
-    V = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(8)
-    one = SamplingParams(max_tokens=1, temperature=0.0)
-    n_hist = min(27120, engine.context_length // 2)
-    hist = torch.randint(300, V, (n_hist,), generator=gen).tolist()
-    _timed_request(engine, hist, one)
+    engine, disk = _tiered_engine(args, device, 4, "qml-afterfresh-")
+    ids, hist, one = _conversation(engine, seed=8)
+    n_hist = len(hist)
     turns = []
     for i in range(3):
         timeline = None
         if args.timeline and i == 0 and device.type == "cuda":
             timeline = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             timeline.__enter__()
-        fresh = _timed_request(engine, torch.randint(300, V, (n_hist,), generator=gen).tolist(), one)[0] * 1e3
-        hist = hist + torch.randint(300, V, (150,), generator=gen).tolist()
-        backlog = {"deferred_pages": engine.tiers.deferred,
-                   "pending_write_gib": round(engine.tiers.pending_write_bytes / 2**30, 2)}
+        fresh = _timed_request(engine, ids(n_hist), one)[0] * 1e3
+        hist = hist + ids(150)
+        backlog = _backlog(engine)
         was = _loop_counters(engine)
         if timeline is not None:
             with torch.profiler.record_function("turn-submit"):

@@ -148,7 +148,7 @@ def fill_pool(eng: Engine, tokens: list[int]) -> None:
     eng.tiers.flush_spills()
     table = list(other.block_table)
     eng.blocks.release(other.block_table)
-    eng._to_persist.append([table, list(other.block_names), 0, eng.loop_steps])  # as the engine's _finish queues it
+    eng._queue_persist(table, other.block_names)  # as the engine's _finish queues it
     eng._persist(everything=True)
 
 

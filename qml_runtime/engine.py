@@ -310,8 +310,7 @@ class Engine:
         if self.tiers is None:
             return
         if self._thread is None:
-            self._persist(everything=True, yield_to_inbox=False)
-            self.tiers.flush()
+            self._settle_tiers()
             return
         done = threading.Event()
         self._inbox.put(_Flush(done))
@@ -513,6 +512,16 @@ class Engine:
             if pages:
                 self.tiers.persist(pages)
 
+    def _queue_persist(self, table: list[int], names: list[bytes]) -> None:
+        """``table``'s pages (a finished request's, whose block names are ``names``) go to the tiers
+        after it (``_persist``)."""
+        self._to_persist.append([table, list(names), 0, self.loop_steps])
+
+    def _settle_tiers(self) -> None:
+        """Every queued page handed to the tiers, and their disk writes landed (``flush_kv``)."""
+        self._persist(everything=True, yield_to_inbox=False)
+        self.tiers.flush()
+
     def _pump(self) -> bool:
         """One more chunk of kept pages to host RAM, between decode steps or while idle (never while
         prompts wait: their prefill, or a restore, would share the link with it). True while some
@@ -618,8 +627,7 @@ class Engine:
                 else:
                     self.scheduler.add(msg.seq)
             elif isinstance(msg, _Flush):
-                self._persist(everything=True, yield_to_inbox=False)
-                self.tiers.flush()
+                self._settle_tiers()
                 msg.done.set()
             elif msg.request_id in self._seqs:
                 self._finish(self._seqs[msg.request_id], "abort", "")
@@ -672,7 +680,7 @@ class Engine:
             # after the client has its last token, and after any request that comes in meanwhile
             # (_persist): the conversation so far goes to host RAM and to disk in the background, so
             # a later turn, even after a restart, finds it there
-            self._to_persist.append([table, list(seq.block_names), 0, self.loop_steps])
+            self._queue_persist(table, seq.block_names)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         self.scheduler.finish(seq, "error")

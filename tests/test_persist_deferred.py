@@ -94,7 +94,7 @@ def test_a_page_taken_for_another_block_before_its_turn_is_skipped(engine):
         assert len(table) >= 3
         names = [eng.blocks.named(p)[0] for p in table]
         got.clear()
-        eng._to_persist.append([table, names, 0, -1])  # queued as _finish queues a request's pages
+        eng._queue_persist(table, names)  # as _finish queues a request's pages
         reused = table[1]
         name = eng.blocks._name[reused]
         eng.blocks._name[reused] = b"another block".ljust(32, b".")  # evicted and filled again meanwhile
