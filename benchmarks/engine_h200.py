@@ -508,6 +508,8 @@ def main() -> int:
     parser.add_argument("--timeline", action="store_true",
                         help="hostturn: the device's timeline from the burst's last prompt through the first turn; "
                              "gputurn: through the profiled turns (OUT/*-timeline.txt, *-trace.json)")
+    parser.add_argument("--call-timers", action="store_true",
+                        help="hostturn, afterfresh: the engine thread's ms in the tiers' and loop's methods per turn")
     parser.add_argument("--sample-stacks", action="store_true",
                         help="hostturn: the engine thread's stack sampled every ms through the first turn, and the GC's "
                              "collections (OUT/hostturn-turn1-stacks.txt)")

@@ -43,6 +43,15 @@ def _backlog(engine) -> dict:
             "pending_write_gib": round(engine.tiers.pending_write_bytes / 2**30, 2)}
 
 
+def _timers(args, engine):
+    """``--call-timers``: the engine thread's time in the tiers' and loop's methods, per turn."""
+    if not getattr(args, "call_timers", False):
+        return None
+    from loop_profile import CallTimers  # beside this script
+
+    return CallTimers(engine, engine._thread.ident)
+
+
 def section_hostturn(args, device) -> None:
     """A 219-token turn over a 27k-token history pushed into host RAM (the sessions bench's host
     case, in-process): the engine loop's split (schedule / step / post) and a profile of the turn."""
@@ -53,6 +62,7 @@ def section_hostturn(args, device) -> None:
     ids, hist, one = _conversation(engine, seed=6)
     n_hist = len(hist)
     turn_prof = TurnProfile() if args.profile_turn else None
+    timers = _timers(args, engine)
     pool_tokens = engine.blocks.num_blocks * engine.blocks.block_size
     turns = []
     for i in range(args.turns):
@@ -68,6 +78,8 @@ def section_hostturn(args, device) -> None:
         hist = hist + ids(219)
         was, restored = _loop_counters(engine), engine.tiers.stats.restored_host
         backlog = _backlog(engine)  # when the turn arrives
+        if timers is not None:
+            timers.mark()
         if args.sample_stacks and i == 0:  # the first turn after the burst: where the engine thread was
             from loop_profile import StackSampler
 
@@ -104,7 +116,8 @@ def section_hostturn(args, device) -> None:
         now = _loop_counters(engine)
         split = {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post", "launch")}
         st = engine.tiers.stats
-        turns.append({"ttft_ms": round(t, 2), "restored_pages": st.restored_host - restored,
+        calls = timers.delta() if timers is not None else None
+        turns.append({"ttft_ms": round(t, 2), "restored_pages": st.restored_host - restored, "calls": calls,
                       "spilled_host": st.spilled_host, "kept_host": st.kept_host,
                       "steps": now["steps"] - was["steps"], "loop_ms": split, "backlog": backlog,
                       "written_disk": st.written_disk, "persist_skipped": st.persist_skipped,
@@ -173,6 +186,7 @@ def section_afterfresh(args, device) -> None:
 
     engine, disk = _tiered_engine(args, device, 4, "qml-afterfresh-")
     ids, hist, one = _conversation(engine, seed=8)
+    timers = _timers(args, engine)
     n_hist = len(hist)
     turns = []
     for i in range(3):
@@ -182,6 +196,8 @@ def section_afterfresh(args, device) -> None:
             timeline.__enter__()
         fresh = _timed_request(engine, ids(n_hist), one)[0] * 1e3
         hist = hist + ids(150)
+        if timers is not None:  # from the fresh prompt's token on: what the loop did before the turn
+            timers.mark()
         backlog = _backlog(engine)
         was = _loop_counters(engine)
         if timeline is not None:
@@ -194,7 +210,8 @@ def section_afterfresh(args, device) -> None:
             text = device_timeline(timeline, args.out / "afterfresh-trace.json", bin_ms=2.0, marker="turn-submit")
             (args.out / f"afterfresh-timeline{'-disk' if disk else ''}.txt").write_text(text)
             print(text[:7000], flush=True)
-        turns.append({"ttft_ms": round(t, 2), "fresh_ms": round(fresh, 1), "backlog": backlog,
+        calls = timers.delta() if timers is not None else None
+        turns.append({"ttft_ms": round(t, 2), "fresh_ms": round(fresh, 1), "backlog": backlog, "calls": calls,
                       "loop_ms": {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post")}})
         print("after fresh:", turns[-1], flush=True)
     record("afterfresh", disk=bool(disk), turns=turns)

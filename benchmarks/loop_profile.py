@@ -245,3 +245,64 @@ class StackSampler:
         for t, dur, gen, collected in self.gcs:
             lines.append(f"gc gen {gen}: at {(t - self.t0) * 1e3:.2f} ms, {dur * 1e3:.2f} ms, {collected} collected")
         return "\n".join(lines)
+
+
+class CallTimers:
+    """Wall time the engine thread spends inside chosen methods, cheaply enough to leave on for a
+    whole turn (two perf_counter calls a call, no profiler): ``CallTimers(engine, thread_id)`` wraps
+    the engine's, its tiers', host tier's and runner's methods named in ``METHODS`` on those objects
+    (instance attributes, so other engines are untouched). ``mark()`` before a request, ``delta()``
+    after: per method the ms spent, the calls, and when the first call began (ms after the mark),
+    counting only calls made on ``thread_id`` (the disk writer's threads call some of them too).
+    Nested methods count in both (``_persist`` holds ``persist``)."""
+
+    METHODS = {
+        "engine": ("_persist", "_pump", "_drain_inbox", "_note_first_scheduled", "_take_tokens"),
+        "scheduler": ("schedule",),
+        "tiers": ("persist", "_write_through", "_gather", "flush_spills", "_gather_spills", "_copy_down",
+                  "restore_host", "_upload", "_upload_layers", "_reserve_host", "spill", "pump", "plan",
+                  "locate_run", "_settle_slot", "_queue_disk_write"),
+        "host": ("reserve", "find_run", "touch"),
+        "runner": ("step", "launch"),
+    }
+
+    def __init__(self, engine, thread_id: int):
+        import functools
+        import threading
+        import time
+
+        self.thread_id, self.stats, self.t0 = thread_id, {}, time.perf_counter()
+        objects = {"engine": engine, "scheduler": engine.scheduler, "tiers": engine.tiers,
+                   "host": getattr(engine.tiers, "host", None), "runner": engine.runner}
+        for kind, names in self.METHODS.items():
+            obj = objects[kind]
+            for name in names:
+                fn = getattr(obj, name, None) if obj is not None else None
+                if fn is None or not callable(fn):
+                    continue
+                key = f"{kind}.{name}"
+
+                def timed(*a, _fn=fn, _key=key, **kw):
+                    if threading.get_ident() != self.thread_id:
+                        return _fn(*a, **kw)
+                    start = time.perf_counter()
+                    try:
+                        return _fn(*a, **kw)
+                    finally:
+                        rec = self.stats.setdefault(_key, [0.0, 0, None])
+                        rec[0] += time.perf_counter() - start
+                        rec[1] += 1
+                        if rec[2] is None:
+                            rec[2] = start - self.t0
+
+                setattr(obj, name, functools.wraps(fn)(timed))
+
+    def mark(self) -> None:
+        import time
+
+        self.stats, self.t0 = {}, time.perf_counter()
+
+    def delta(self, min_ms: float = 0.05) -> dict:
+        """{method: [ms, calls, first call's start in ms after mark()]}, the longest first."""
+        rows = sorted(self.stats.items(), key=lambda kv: -kv[1][0])
+        return {k: [round(s * 1e3, 2), n, round(first * 1e3, 2)] for k, (s, n, first) in rows if s * 1e3 >= min_ms}
