@@ -146,3 +146,53 @@ def test_flush_kv_waits_for_the_pages_and_their_disk_writes(engine, tmp_path, mo
     finally:
         eng.shutdown()
     eng.flush_kv()  # stopped: nothing left to wait for, and no thread to ask
+
+
+def test_a_request_that_arrives_during_a_step_is_not_held_by_the_share_after_it(engine, monkeypatch):
+    """After a step the pages of earlier requests go down for a share of its time, but not while a new
+    request waits in the inbox (it was sent as soon as its client had a token); pages left
+    ``PERSIST_MAX_LAG_STEPS`` steps behind, or more than ``PERSIST_YIELD_PAGES`` of them, still go."""
+    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 1e3)  # without a request waiting: the whole backlog
+    eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
+    persisted = []
+    persist = eng.tiers.persist
+    eng.tiers.persist = lambda pages: (persisted.extend(p for p, *_ in pages), persist(pages))[1]
+    try:
+        a_out = []
+        eng.submit(_prompt(eng, "Count with me: " + " ".join(str(i) for i in range(20))), ONE, a_out.append)
+        _drive(eng, a_out, lambda: a_out and a_out[-1].finished)
+        left = sum(len(t) - i for t, _, i, _ in eng._to_persist)
+        assert left >= 3
+        (table, names, _, _), = eng._to_persist
+        queue_persist, eng._queue_persist = eng._queue_persist, lambda table, names: None  # B's and C's stay out
+        persisted.clear()
+        # B's step runs; C arrives during it (submitted from inside B's step)
+        step = eng.runner.step
+        c_out = []
+
+        def step_then_c_arrives(batch, *a, **kw):
+            result = step(batch, *a, **kw)
+            if not c_out and not eng._inbox.qsize():
+                eng.submit(_prompt(eng, "And you?"), ONE, c_out.append)
+            return result
+
+        eng.runner.step = step_then_c_arrives
+        b_out = []
+        eng.submit(_prompt(eng, "Hello"), ONE, b_out.append)
+        eng._iterate(None)
+        assert b_out and b_out[-1].finished and not persisted  # C waits: nothing of A went down
+        eng.runner.step = step
+        eng.loop_steps += engine_module.PERSIST_MAX_LAG_STEPS  # A's pages now lag far behind
+        eng._persist(budget_s=1e3)  # (C still waiting)
+        n = len(persisted)
+        assert n >= left - 1 and not eng._to_persist  # they go down all the same (a last, partial page has no name)
+        eng.loop_steps -= engine_module.PERSIST_MAX_LAG_STEPS
+        monkeypatch.setattr(engine_module, "PERSIST_YIELD_PAGES", 0)  # as if many pages waited
+        eng._queue_persist = queue_persist
+        eng._queue_persist(table, names)  # A again, as if it had ended one step before
+        eng.loop_steps += 1
+        eng._persist(budget_s=1e3)
+        assert len(persisted) - n >= n and not eng._to_persist
+    finally:
+        eng.shutdown()
