@@ -58,20 +58,13 @@ PUMP_POLL_S = 0.001  # while idle with kept pages still to copy down: how often 
 # a finished request's pages handed to the tiers this many at a time, between which a new request goes
 # first while idle (a 27k-token request's 1,700 pages took ~5-8 ms of the engine thread on the H200, and
 # the next request, sent as soon as the client had the last token, waited for all of it)
-PERSIST_CHUNK = 128
+PERSIST_CHUNK = 256
 # after a step, the pages of requests that ended before it go on for this share of the step's time (at
 # least one chunk): under back-to-back long prompts the loop is never idle, and with one chunk a step
 # the pages left waiting were evicted by later prompts before they went down, as spills (gathered
 # beside those prompts, then copied both ways at once beside a restore: the H200's first host turn
 # after a burst went 88 -> 152 ms)
 PERSIST_SHARE = 0.02
-# ... unless a request has come in meanwhile: then it goes first, and after its step the pages go on
-# (on the H200 the share after a 27k-token prompt's ~1 s step held the next turn for 13-21 ms, in-process
-# --call-timers). Not when more than PERSIST_YIELD_PAGES of those pages wait, or they are
-# PERSIST_MAX_LAG_STEPS steps behind: a burst of prompts, one arriving as the last one ends, would
-# leave them to be evicted as spills, copied down beside the next restore.
-PERSIST_YIELD_PAGES = 2048
-PERSIST_MAX_LAG_STEPS = 4
 
 
 @dataclass
@@ -492,15 +485,10 @@ class Engine:
         an abort is in the inbox (it goes first). After a step: one chunk, and more of the requests
         that ended before that step while ``budget_s`` lasts (those that ended in it wait for the
         loop to be idle, or for the next step: a turn sent as soon as its client had the last token
-        is not held up by them); none while a new request is in the inbox, unless the pages waiting
-        are many or old (``PERSIST_YIELD_PAGES``, ``PERSIST_MAX_LAG_STEPS``). A page taken for another block
-        since its request ended is skipped: when it was evicted the tiers got its copy
-        (``KVTiers.spill``), and its K/V now belong to another block."""
+        is not held up by them). A page taken for another block since its request ended is skipped:
+        when it was evicted the tiers got its copy (``KVTiers.spill``), and its K/V now belong to
+        another block."""
         named, t0, chunks = self.blocks.named, time.perf_counter(), 0
-        if not everything and yield_to_inbox and self._to_persist and not self._inbox.empty() \
-                and self.loop_steps - self._to_persist[0][3] < PERSIST_MAX_LAG_STEPS \
-                and sum(len(t) - i for t, _, i, s in self._to_persist if s < self.loop_steps) <= PERSIST_YIELD_PAGES:
-            return  # a new request goes first
         while self._to_persist:
             entry = self._to_persist[0]
             if everything:
