@@ -65,6 +65,10 @@ PERSIST_CHUNK = 256
 # beside those prompts, then copied both ways at once beside a restore: the H200's first host turn
 # after a burst went 88 -> 152 ms)
 PERSIST_SHARE = 0.02
+# while a prefill of 64 tokens or more runs, the pages go down for up to this share of its expected time
+# (the host has nothing else to do until its tokens are ready; on the H200 the 2% after a 20k-token
+# prompt's step held the next request for ~13 ms, in-process --call-timers). Then none after the step.
+PERSIST_BESIDE_SHARE = 0.5
 
 
 @dataclass
@@ -453,17 +457,26 @@ class Engine:
         chunks = ([(s.num_computed, n) for s, n in zip(batch.seqs, batch.num_tokens)]
                   if self.tiers is not None else [])
         pure_prefill = sum(n for _, n in chunks) >= 64 and all(n > 1 for _, n in chunks)
+        seconds = sum(self.tiers.planner.prefill_seconds(start, n) for start, n in chunks) if pure_prefill else 0.0
         if pure_prefill and self.tiers.deferred and self.tiers.pump_beside:
             # kept pages go down beside a long prefill (a burst of prompts never idles the loop, and a
             # turn arriving after it would otherwise evict pages whose copies still wait: 3.5 GB to
             # gather and copy beside its restore, ~100 ms more on the H200)
-            seconds = sum(self.tiers.planner.prefill_seconds(start, n) for start, n in chunks)
             pages = self.tiers.pages_beside(seconds)
             if pages:
                 self.tiers.pump(pages, beside_step=True)
+        beside = None
+        if pure_prefill and self._to_persist:
+            # finished requests' pages go down while the device runs the prefill, not after it, where the
+            # next request (sent as soon as its client had this step's token) waited for them
+            beside = {"ran": False}
+
+            def beside_step() -> None:
+                beside["ran"] = True
+                self._persist(budget_s=PERSIST_BESIDE_SHARE * seconds, during_step=True)
         t0 = time.perf_counter()
         try:
-            tokens, logprobs = self.runner.step(batch)
+            tokens, logprobs = self.runner.step(batch, while_running=beside_step if beside else None)
         except Exception as exc:  # a failed step fails its requests, not the server
             log.exception("engine step failed; failing %d request(s)", len(batch.seqs))
             for seq in batch.seqs:
@@ -475,26 +488,30 @@ class Engine:
         if pure_prefill:  # (no chunks without tiers)
             self.tiers.planner.observe_prefill(chunks, t1 - t0)
         self._take_tokens(batch, tokens, logprobs)
-        self._persist(budget_s=PERSIST_SHARE * (t1 - t0))
+        if not (beside and beside["ran"]):
+            self._persist(budget_s=PERSIST_SHARE * (t1 - t0))
         self.loop_seconds["post"] += time.perf_counter() - t1
         return None
 
-    def _persist(self, everything: bool = False, budget_s: float = 0.0, yield_to_inbox: bool = True) -> None:
+    def _persist(self, everything: bool = False, budget_s: float = 0.0, yield_to_inbox: bool = True,
+                 during_step: bool = False) -> None:
         """Hand finished requests' named pages to the tiers (``KVTiers.persist``), ``PERSIST_CHUNK`` at a
         time. While idle (``everything``): until none is left, stopping as soon as a new request or
         an abort is in the inbox (it goes first). After a step: one chunk, and more of the requests
         that ended before that step while ``budget_s`` lasts (those that ended in it wait for the
         loop to be idle, or for the next step: a turn sent as soon as its client had the last token
-        is not held up by them). A page taken for another block since its request ended is skipped:
+        is not held up by them). ``during_step``: called while a step runs (``runner.step``'s
+        ``while_running``), so the requests that ended before it may all go. A page taken for another block since its request ended is skipped:
         when it was evicted the tiers got its copy (``KVTiers.spill``), and its K/V now belong to
         another block."""
         named, t0, chunks = self.blocks.named, time.perf_counter(), 0
+        step = self.loop_steps + during_step  # the step that ends next: requests that end in it wait
         while self._to_persist:
             entry = self._to_persist[0]
             if everything:
                 if yield_to_inbox and not self._stopping and not self._inbox.empty():
                     return
-            elif chunks and (entry[3] == self.loop_steps or time.perf_counter() - t0 >= budget_s):
+            elif chunks and (entry[3] == step or time.perf_counter() - t0 >= budget_s):
                 return
             chunks += 1
             table, names, start, _ = entry

@@ -14,6 +14,7 @@ graph's own tokens are dropped. Steps of plain requests never pay for that.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -152,16 +153,37 @@ class ModelRunner:
         self.logits_processor.release(seq)
 
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch, eager: bool = False) -> tuple[list[int | None], Logprobs]:
+    def step(self, batch: ScheduledBatch, eager: bool = False,
+             while_running: Callable[[], None] | None = None) -> tuple[list[int | None], Logprobs]:
         """Run the batch; returns, per sequence, the sampled token or None (prefill chunk not last),
         and the tokens' logprobs for the sequences that asked (None when none did). ``eager``: no
-        CUDA graph even where one fits (the warm-up runs the path a restoring turn takes)."""
+        CUDA graph even where one fits (the warm-up runs the path a restoring turn takes).
+        ``while_running``: called once the step's kernels are queued, before the host waits for
+        its tokens (host work that then hides behind the device's; the tokens are copied down
+        before it, so device work it queues does not delay them)."""
         try:
-            return self._step(batch, eager)
+            return self._step(batch, eager, while_running)
         finally:
             self.kv.settle()  # a failed step too: nothing after it may overtake a restore it was to read
 
-    def _step(self, batch: ScheduledBatch, eager: bool = False) -> tuple[list[int | None], Logprobs]:
+    @staticmethod
+    def _host_values(tokens: torch.Tensor, while_running: Callable[[], None] | None) -> list[int]:
+        """``tokens.tolist()``, with ``while_running`` called in between the copy's launch and the wait."""
+        if while_running is None:
+            return tokens.tolist()
+        if tokens.device.type != "cuda":
+            while_running()
+            return tokens.tolist()
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        while_running()
+        ready.synchronize()
+        return host.tolist()
+
+    def _step(self, batch: ScheduledBatch, eager: bool = False,
+              while_running: Callable[[], None] | None = None) -> tuple[list[int | None], Logprobs]:
         t0 = time.perf_counter()
         special = any(s.custom_sampling for s in batch.seqs)
         ran = None if eager else self._graph_tokens(batch)
@@ -171,16 +193,19 @@ class ModelRunner:
                 seq.num_computed += n
             if not special:
                 self.launch_seconds += time.perf_counter() - t0
-                values = tokens.tolist()
+                values = self._host_values(tokens, while_running)
                 return [t if s.num_computed == s.num_tokens else None for s, t in zip(batch.seqs, values)], None
             # the graph's own tokens are dropped: its logits are sampled again, processed, below
             rows = [i for i, s in enumerate(batch.seqs) if s.num_computed == s.num_tokens]
             if not rows:
+                if while_running is not None:
+                    while_running()
                 return [None] * len(batch.seqs), None
             sampling = [batch.seqs[i] for i in rows]
             n = len(rows)  # the sampling rows are the first ones of the graph's batch
             params = family.sampling
-            drawn = self._draw(family.last_logits[:n], sampling, params.floats[:, :n], params.ints[:, :n], t0)
+            drawn = self._draw(family.last_logits[:n], sampling, params.floats[:, :n], params.ints[:, :n], t0,
+                               while_running)
             return self._per_seq(batch.seqs, sampling, *drawn)
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv, meta)  # [T, D]
@@ -189,10 +214,12 @@ class ModelRunner:
             seq.num_computed += n
         sampling = [s for s in batch.seqs if s.num_computed == s.num_tokens]
         if not sampling:
+            if while_running is not None:
+                while_running()
             return [None] * len(batch.seqs), None
         logits = self.model.logits(hidden[sample_rows])  # [B', V]
         floats, ints = self._sampling_tensors(sampling, logits.device)
-        return self._per_seq(batch.seqs, sampling, *self._draw(logits, sampling, floats, ints, t0))
+        return self._per_seq(batch.seqs, sampling, *self._draw(logits, sampling, floats, ints, t0, while_running))
 
     @staticmethod
     def _per_seq(seqs: list, sampling: list, tokens: list[int], logprobs: Logprobs) -> tuple[list, Logprobs]:
@@ -210,7 +237,7 @@ class ModelRunner:
         return floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
 
     def _draw(self, logits: torch.Tensor, seqs: list, floats: torch.Tensor, ints: torch.Tensor,
-              t0: float) -> tuple[list[int], Logprobs]:
+              t0: float, while_running: Callable[[], None] | None = None) -> tuple[list[int], Logprobs]:
         """Sample one token per row of ``logits`` [B, V] (row i: seqs[i]) with the sampling parameters
         ``floats`` (temperature, top_p, min_p) [3, B] and ``ints`` (top_k, seed, step) [3, B], after
         the logits processing the rows ask for; logprobs from the raw ``logits``."""
@@ -220,6 +247,7 @@ class ModelRunner:
         if special:
             self.logits_processor.observe(seqs, tokens)
         self.launch_seconds += time.perf_counter() - t0
+        values = self._host_values(tokens, while_running)
         logprobs = gather_logprobs(logits, tokens, seqs) \
             if any(s.params.logprobs is not None for s in seqs) else None
-        return tokens.tolist(), logprobs
+        return values, logprobs

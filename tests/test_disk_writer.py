@@ -63,3 +63,22 @@ def test_a_failed_write_is_not_counted_and_the_writers_go_on(tmp_path):
     assert not writer._writing  # the failed name may be queued again
     writer.close()
     store.close()
+
+
+def test_a_block_is_queued_until_its_write_ends_written_or_not(tmp_path):
+    store = DiskStore(tmp_path, b"f" * 32, budget_bytes=2**20)
+    writer = DiskWriter(store, BLOCK, SimpleNamespace(written_disk=0), threads=1)
+    gate = threading.Event()
+    put = store.put
+    store.put = lambda name, *a: (gate.wait(5), False if name == _name(2) else put(name, *a))[1]
+    rows = torch.ones(3, BLOCK, dtype=torch.uint8)
+    writer.put_pages(rows, None, [(_name(i), pack([i]), None) for i in range(2)])
+    writer.put_block(_name(2), pack([2]), rows[2].clone(), None, None)
+    assert all(writer.queued(_name(i)) for i in range(3)) and not writer.queued(_name(3))
+    gate.set()
+    writer.join()
+    # written (0, 1) or failed (2): no longer queued; a failed one may be handed over again
+    assert not any(writer.queued(_name(i)) for i in range(3))
+    assert store.contains(_name(0)) and not store.contains(_name(2))
+    writer.close()
+    store.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import threading
 import time
 
 import pytest
@@ -367,4 +369,37 @@ def test_a_full_host_tier_waits_only_for_the_slot_it_evicts(engine, tmp_path, mo
         assert counts["flushes"] < counts["evictions"] / 2, counts
         assert eng.tiers.stats.written_disk > 0  # evicted host entries went to disk
     finally:
+        eng.shutdown()
+
+
+def test_a_page_handed_to_the_disk_writer_is_not_handed_over_again_while_queued(engine, tmp_path):
+    """A conversation's history is kept again at each turn's end; while its first write is still queued
+    (a disk behind), it is not gathered and queued a second time."""
+    eng = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    tiers = eng.tiers
+    gate = threading.Event()
+    put = tiers.disk.put
+    tiers.disk.put = lambda *a: (gate.wait(10), put(*a))[1]  # the disk holds every write back
+    handed = []
+    put_pages = tiers._writer.put_pages
+    tiers._writer.put_pages = lambda staging, ready, blocks: (handed.extend(n for n, _, _ in blocks),
+                                                              put_pages(staging, ready, blocks))[1]
+    try:
+        turns(eng)
+        gate.set()
+        eng.flush_kv()  # the first turn's pages are written
+        gate.clear()
+        handed.clear()
+        # its pages under other names, as a later turn's new pages would be: not on disk, not queued
+        pages = [(p, hashlib.sha256(name).digest(), tokens, None) for p in range(eng.blocks.num_blocks)
+                 if (named := eng.blocks.named(p)) is not None for name, tokens in [named]]
+        assert pages
+        tiers.persist(pages)  # kept by one turn...
+        tiers.persist(pages)  # ...and again by the next, before any of it landed
+        assert sorted(handed) == sorted(n for _, n, _, _ in pages), "a queued page was handed over again"
+        gate.set()
+        eng.flush_kv()
+        assert all(tiers.disk.contains(n) for _, n, _, _ in pages)
+    finally:
+        gate.set()
         eng.shutdown()

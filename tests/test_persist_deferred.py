@@ -146,3 +146,51 @@ def test_flush_kv_waits_for_the_pages_and_their_disk_writes(engine, tmp_path, mo
     finally:
         eng.shutdown()
     eng.flush_kv()  # stopped: nothing left to wait for, and no thread to ask
+
+
+def test_pages_go_down_while_a_long_prefill_runs_not_after_it(engine, monkeypatch):
+    """A finished request's pages are handed over while the next prompt's prefill runs (``runner.step``'s
+    ``while_running``), so nothing is left to do between that step's token and the request after it."""
+    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)  # after a step: one chunk only
+    eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
+    in_step, during, after = [False], [], []
+    persist = eng.tiers.persist
+    eng.tiers.persist = lambda pages: ((during if in_step[0] else after).extend(p for p, *_ in pages),
+                                       persist(pages))[1]
+    step = eng.runner.step
+
+    def watched(batch, *a, while_running=None, **kw):
+        def hook():
+            in_step[0] = True
+            try:
+                while_running()
+            finally:
+                in_step[0] = False
+        return step(batch, *a, while_running=hook if while_running else None, **kw)
+
+    eng.runner.step = watched
+    try:
+        a_out, b_out = [], []
+        eng.submit(_prompt(eng, "Count with me: " + " ".join(str(i) for i in range(20))), ONE, a_out.append)
+        _drive(eng, a_out, lambda: a_out and a_out[-1].finished)
+        left = sum(len(t) - i for t, _, i, _ in eng._to_persist)
+        assert left >= 3 and not during
+        after.clear()
+        long_prompt = _prompt(eng, "And now the other way: " + " ".join(str(i) for i in range(30, 0, -1)))
+        assert len(long_prompt) >= 64
+        eng.submit(long_prompt, ONE, b_out.append)
+        eng._iterate(None)  # B's prefill, one step
+        assert b_out and b_out[-1].finished
+        assert len(during) >= left - 1 and not after  # all of A's named pages went during B's step
+        (table, _, done, _), = eng._to_persist  # B's own wait for the idle loop
+        assert done == 0
+        # and the tokens are what a step without the hook gives
+        again = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
+        again.start()
+        try:
+            assert again.generate_sync(long_prompt, ONE).token_ids == b_out[-1].token_ids
+        finally:
+            again.shutdown()
+    finally:
+        eng.shutdown()

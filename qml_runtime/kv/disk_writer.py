@@ -38,6 +38,10 @@ class DiskWriter:
         self.pending_bytes = 0  # gathered pages handed over and not yet written
         self._lock = threading.Lock()  # pending_bytes, the stats, and the names being written
         self._writing: set[bytes] = set()  # a block queued twice is written once, by one thread
+        # handed over and not yet written (or failed): the engine hands a block over once, not once per
+        # request that kept it (a conversation's history, kept again at each turn's end while the disk
+        # is behind, was gathered on the device and queued again each time)
+        self._queued: set[bytes] = set()
         self._local = threading.local()  # each thread's bounce buffer and stream, made at its first GPU pages
         self._queue: queue.Queue = queue.Queue()
         self._threads = [threading.Thread(target=self._loop, name=f"qml-kv-writer-{i}", daemon=True)
@@ -50,11 +54,19 @@ class DiskWriter:
         ``ready`` (an event, or None) has passed."""
         with self._lock:
             self.pending_bytes += staging.numel()
+            self._queued.update(name for name, _, _ in blocks)
         self._queue.put(("pages", staging, ready, blocks))
 
     def put_block(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None, ready) -> None:
         """One host tensor the writer owns from now on (valid once ``ready`` has passed)."""
+        with self._lock:
+            self._queued.add(name)
         self._queue.put(("block", name, tokens, data, parent, ready))
+
+    def queued(self, name: bytes) -> bool:
+        """Whether ``name`` was handed over and its write has not ended yet."""
+        with self._lock:
+            return name in self._queued
 
     def join(self) -> None:
         """Wait until everything queued so far is written (or failed)."""
@@ -90,6 +102,7 @@ class DiskWriter:
         # queued twice before the first landed: one write is enough (and counts once)
         with self._lock:
             if name in self._writing or self.disk.contains(name):
+                self._queued.discard(name)
                 return
             self._writing.add(name)
         written = False
@@ -98,6 +111,7 @@ class DiskWriter:
         finally:
             with self._lock:
                 self._writing.discard(name)
+                self._queued.discard(name)
                 if written:
                     self.stats.written_disk += 1
 

@@ -36,6 +36,7 @@ the disk store is handed the ids (``unpack``) when a block is written or read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -184,7 +185,7 @@ class KVTiers:
             if self._queue_host_copy(page, name, tokens):
                 self.stats.spilled_host += 1
             return
-        if self.disk is not None and not self.disk.contains(name):
+        if self.disk is not None and not self._on_disk(name):
             self._pending_disk.append((page, name, tokens))
 
     def _wait_saved(self, seq: int, event) -> None:
@@ -301,7 +302,7 @@ class KVTiers:
         """A host slot for ``name``; what it evicts goes to disk first."""
         slot, evicted = self.host.reserve(name, tokens)
         for old_name, old_tokens, old_slot in evicted:
-            if self.disk is None or self.disk.contains(old_name):
+            if self.disk is None or self._on_disk(old_name):
                 if old_slot in self._deferred_slots:  # its copy down is moot now: the slot changes hands
                     self._undefer(self._deferred_slots[old_slot])
                 continue  # nothing to write: the slot simply takes the new page
@@ -389,7 +390,7 @@ class KVTiers:
                 self.flush_spills()
         if self.disk is None:
             return
-        todo = [(p, n, t, parent) for p, n, t, parent in pages if not self.disk.contains(n)]
+        todo = [(p, n, t, parent) for p, n, t, parent in pages if not self._on_disk(n)]
         for i in range(0, len(todo), MAX_BATCH_PAGES):
             chunk = todo[i:i + MAX_BATCH_PAGES]
             if self.pending_write_bytes + len(chunk) * self.block_bytes > MAX_PENDING_WRITE_BYTES:
@@ -417,13 +418,14 @@ class KVTiers:
 
     def _gather(self, pages: list[int], settle: bool = True) -> torch.Tensor:
         self._observe_uploads()
-        index = torch.tensor(pages, dtype=torch.int64).to(self.kv.data.device, non_blocking=True)
-        return self.kv.gather_pages(index, settle=settle)
+        # pinned: a copy from pageable memory may wait for the stream (a persist beside a prefill step)
+        index = torch.tensor(pages, dtype=torch.int64, pin_memory=self._cuda)
+        return self.kv.gather_pages(index.to(self.kv.data.device, non_blocking=True), settle=settle)
 
     def _side(self):
         """A context on the copy stream, after the work queued so far on the compute stream."""
         if not self._cuda:
-            return _Nothing()
+            return contextlib.nullcontext()
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.kv.data.device))
         # a slot a restore still reads must not be overwritten by a spill into it
         self._copy_stream.wait_stream(self._restore_stream)
@@ -442,8 +444,12 @@ class KVTiers:
                           parent: bytes | None, ready) -> None:
         """``data`` is a host tensor the writer owns from now on (valid once ``ready`` has passed);
         ``parent`` the previous page's name where the caller knows it."""
-        if self.disk is not None and not self.disk.contains(name):
+        if self.disk is not None and not self._on_disk(name):
             self._writer.put_block(name, tokens, data, parent, ready)
+
+    def _on_disk(self, name: bytes) -> bool:
+        """On disk, or handed to the writer already."""
+        return self.disk.contains(name) or self._writer.queued(name)
 
     def flush(self) -> None:
         """Wait for queued disk writes (shutdown, tests)."""
@@ -778,14 +784,6 @@ class KVTiers:
             else:
                 still.append((start, end, nbytes))
         self._timing = still
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
