@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from qml_runtime.config import CacheConfig, SchedulerConfig
 from qml_runtime.engine import Engine
-from qml_runtime.kv.planner import DiskReadTally, RestorePlanner
+from qml_runtime.kv.planner import RestorePlanner
 from qml_runtime.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
@@ -315,16 +315,3 @@ def test_the_disk_probe_counts_a_share_of_what_it_read_alone():
     probe.planner.observe = lambda kind, amount, seconds: seen.append((kind, amount))
     probe._probe_disk()
     assert 0 < tiers_mod.PROBE_SHARE < 1 and seen == [("disk", tiers_mod.PROBE_SHARE * 3000)]
-
-
-def test_a_loads_disk_rate_is_its_bytes_over_its_whole_time():
-    """Threads that end at different times: the load's rate, not the first thread's times the threads."""
-    planner = RestorePlanner(disk_bytes_per_s=5e8)
-    tally = DiskReadTally(planner, parts=2, t0=10.0)
-    tally.part_done(1e9, now=10.5)  # 2 GB/s for this thread alone: x2 would say 4 GB/s
-    assert "disk_bytes_per_s" not in planner.measured
-    tally.part_done(1e9, now=12.0)
-    assert planner.disk_bytes_per_s == 1e9  # 2 GB in 2 s (a first measurement replaces the guess)
-    empty = DiskReadTally(planner, parts=1, t0=0.0)
-    empty.part_done(0, now=1.0)  # a load whose first block missed teaches nothing
-    assert planner.disk_bytes_per_s == 1e9

@@ -152,26 +152,3 @@ class RestorePlanner:
                 best_k, best = k, t
         return Plan(host_now=h, recompute=best_k, load=m - best_k, seconds=h * host_block + best,
                     recompute_seconds=everything)
-
-
-class DiskReadTally:
-    """One load's disk reads, split over loader threads: the rate the planner learns is the load's
-    bytes over the time from its start to its last read, not a thread's rate times the threads (the
-    threads neither start nor end together: on the H200 that product said 1.90 GB/s after a restore
-    whose reads took ~1.4, and the next user's plan streamed too much, est. 606 ms, got 824)."""
-
-    def __init__(self, planner: RestorePlanner, parts: int, t0: float):
-        import threading
-
-        self.planner, self.left, self.t0 = planner, parts, t0
-        self.nbytes = 0
-        self._lock = threading.Lock()
-
-    def part_done(self, nbytes: int, now: float) -> None:
-        """A thread's share ended (``nbytes`` read); the last one folds the load's rate in."""
-        with self._lock:
-            self.nbytes += nbytes
-            self.left -= 1
-            last = self.left == 0
-        if last and self.nbytes:
-            self.planner.observe("disk", self.nbytes, now - self.t0)
