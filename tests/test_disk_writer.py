@@ -82,3 +82,32 @@ def test_a_block_is_queued_until_its_write_ends_written_or_not(tmp_path):
     assert store.contains(_name(0)) and not store.contains(_name(2))
     writer.close()
     store.close()
+
+
+def test_writes_wait_while_a_restore_reads(tmp_path, monkeypatch):
+    """A restore's disk reads go first: a write not yet begun waits until they end (or for at most
+    READS_FIRST_MAX_S, so a cache fill is never held up for good)."""
+    from qml_runtime.kv import disk_writer as writer_mod
+
+    store = DiskStore(tmp_path, b"f" * 32, budget_bytes=2**20)
+    writer = DiskWriter(store, BLOCK, SimpleNamespace(written_disk=0), threads=2)
+    rows = torch.ones(2, BLOCK, dtype=torch.uint8)
+    writer.reads_started()
+    writer.reads_started()  # two loader threads' parts
+    writer.put_block(_name(0), pack([0]), rows[0].clone(), None, None)
+    time.sleep(0.2)
+    assert not store.contains(_name(0)) and writer.queued(_name(0))
+    writer.reads_done()
+    time.sleep(0.1)
+    assert not store.contains(_name(0))  # one part still reads
+    writer.reads_done()
+    writer.join()
+    assert store.contains(_name(0))
+    # reads that never end do not stop the writer
+    monkeypatch.setattr(writer_mod, "READS_FIRST_MAX_S", 0.05)
+    writer.reads_started()
+    writer.put_block(_name(1), pack([1]), rows[1].clone(), None, None)
+    writer.join()
+    assert store.contains(_name(1))
+    writer.close()
+    store.close()

@@ -143,9 +143,9 @@ class KVTiers:
             self._compile_page_copy()
         self._pending: list[tuple[int, int]] = []  # (page, host slot) spilled, not yet copied down
         # finished requests' pages kept in host RAM: a slot is reserved, the copy waits for ``pump``
-        # (page -> slot, oldest first, and slot -> page). On the H200 a 3.5 GB restore beside a
-        # 3.5 GB copy down took 104 ms against 70 alone, and a request's whole history copied down at
-        # its end was still on the link when the next turn's restore (or input copies) came.
+        # (page -> slot, oldest first, and slot -> page). On the H200 a 3.5 GB restore beside a 3.5 GB
+        # copy down took 104 ms against 70 alone, and a history copied down at its end was still on
+        # the link when the next turn's restore came.
         self.defer_persist = self._cuda and os.environ.get("QML_DEFER_PERSIST", "1") != "0"
         self._deferred: OrderedDict[int, int] = OrderedDict()
         self._deferred_slots: dict[int, int] = {}
@@ -447,8 +447,7 @@ class KVTiers:
         if self.disk is not None and not self._on_disk(name):
             self._writer.put_block(name, tokens, data, parent, ready)
 
-    def _on_disk(self, name: bytes) -> bool:
-        """On disk, or handed to the writer already."""
+    def _on_disk(self, name: bytes) -> bool:  # or handed to the writer already
         return self.disk.contains(name) or self._writer.queued(name)
 
     def flush(self) -> None:
@@ -603,6 +602,7 @@ class KVTiers:
         parts = -(-len(reads) // share) if reads else 0
         for k in range(0, len(reads), max(share, 1)):
             part = [(i, names[i], tokens[i], dest[i]) for i in reads[k:k + share]]
+            self._writer.reads_started()  # (writes wait for the reads)
             futures.append(self._loader.submit(self._read_disk, part, parts))
         if not futures:
             done: Future = Future()
@@ -611,18 +611,18 @@ class KVTiers:
         return PendingLoad(start, end, pages, names, tokens, tiers, dest, futures, time.perf_counter())
 
     def _read_disk(self, part: list, parts: int = 1) -> dict[int, bool]:
-        """Loader thread: read blocks in order into their destinations; stops at the first miss.
-        ``parts``: the reads running beside this one (the load's share of the disk's rate is this
-        thread's times that). (The load's bytes over its whole time read lower, ~1.54 against 1.90 GB/s
-        on the H200, but plans on that recomputed more and the second user's disk turn went 824 ->
-        937-939 ms in two runs: the recompute beside the reads is slower than its estimate, which
-        this rate happens to make up for; sessions-h200-2026-12-02b.md.)"""
+        """Loader thread: read blocks in order into their destinations; stops at the first miss. The rate
+        learnt is this thread's times ``parts`` (not the load's bytes over its time: its plans were
+        slower, sessions-h200-2026-12-02b.md)."""
         ok, t0 = {}, time.perf_counter()
-        for i, name, toks, dest in part:
-            out = self.host.slots[dest] if isinstance(dest, int) else dest
-            ok[i] = self.disk.get_into(name, unpack(toks), out)
-            if not ok[i]:
-                break
+        try:
+            for i, name, toks, dest in part:
+                out = self.host.slots[dest] if isinstance(dest, int) else dest
+                ok[i] = self.disk.get_into(name, unpack(toks), out)
+                if not ok[i]:
+                    break
+        finally:
+            self._writer.reads_done()
         read = sum(ok.values())
         if read:
             self.planner.observe("disk", read * self.block_bytes * parts, time.perf_counter() - t0)
