@@ -103,11 +103,17 @@ def test_writes_wait_while_a_restore_reads(tmp_path, monkeypatch):
     writer.reads_done()
     writer.join()
     assert store.contains(_name(0))
-    # reads that never end do not stop the writer
-    monkeypatch.setattr(writer_mod, "READS_FIRST_MAX_S", 0.05)
+    # reads that never pause do not stop the writer: the bound counts from when they began, not from
+    # each write (reads that began 60 s ago, a bound of 30 s: the write goes at once)
+    monkeypatch.setattr(writer_mod, "READS_FIRST_MAX_S", 30.0)
     writer.reads_started()
+    writer._reads_since -= 60.0
+    writer.reads_started()  # another restore joins them: still the same stretch of reads
     writer.put_block(_name(1), pack([1]), rows[1].clone(), None, None)
-    writer.join()
-    assert store.contains(_name(1))
+    for _ in range(100):  # (well under the 30 s a write would wait counted from itself)
+        if store.contains(_name(1)):
+            break
+        time.sleep(0.05)
+    assert store.contains(_name(1)) and writer._reads == 2
     writer.close()
     store.close()

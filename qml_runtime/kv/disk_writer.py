@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 import torch
 
@@ -29,9 +30,10 @@ log = logging.getLogger("qml.kv.tiers")
 
 BOUNCE_PAGES = 64  # the pinned buffer between GPU staging and files (128 MiB at 2 MiB pages), one a thread
 WRITER_THREADS = 4
-# a block's write waits while a restore reads from disk (the request waits on those reads; a write is a
-# cache fill), for at most this long: on the H200 the second user's disk turn, right after the first
-# user's 27k-token prompt had queued 3.5 GB of writes (~0.7 GB/s), took 824-939 ms against 766-843
+# a block's write waits while restores read from disk (the request waits on those reads; a write is a
+# cache fill), until they have been reading for this long without a pause (back-to-back restores must
+# not stop the writes): on the H200 the second user's disk turn, right after the first user's 27k-token
+# prompt had queued 3.5 GB of writes (~0.7 GB/s), took 824-939 ms against 766-843
 READS_FIRST_MAX_S = 2.0
 
 
@@ -47,6 +49,7 @@ class DiskWriter:
         # is behind, was gathered on the device and queued again each time)
         self._queued: set[bytes] = set()
         self._reads = 0  # disk reads of restores in flight (``reads_started``/``reads_done``)
+        self._reads_since = 0.0  # when the reads in flight began (monotonic), with none in between
         self._no_reads = threading.Condition(self._lock)
         self._local = threading.local()  # each thread's bounce buffer and stream, made at its first GPU pages
         self._queue: queue.Queue = queue.Queue()
@@ -70,8 +73,11 @@ class DiskWriter:
         self._queue.put(("block", name, tokens, data, parent, ready))
 
     def reads_started(self) -> None:
-        """A restore's reads begin: writes not yet begun wait for them (``READS_FIRST_MAX_S``)."""
+        """A restore's reads begin: writes not yet begun wait for them (up to ``READS_FIRST_MAX_S`` after
+        the reads in flight began)."""
         with self._lock:
+            if not self._reads:
+                self._reads_since = time.monotonic()
             self._reads += 1
 
     def reads_done(self) -> None:
@@ -122,7 +128,10 @@ class DiskWriter:
                 self._queued.discard(name)
                 return
             self._writing.add(name)
-            self._no_reads.wait_for(lambda: not self._reads, timeout=READS_FIRST_MAX_S)
+            if self._reads:
+                until = self._reads_since + READS_FIRST_MAX_S
+                self._no_reads.wait_for(lambda: not self._reads or time.monotonic() >= until,
+                                        timeout=max(0.0, until - time.monotonic()))
         written = False
         try:
             written = self.disk.put(name, parent, unpack(tokens), data)  # never raises: a failure is a later miss
