@@ -473,7 +473,10 @@ class Engine:
 
             def beside_step() -> None:
                 beside["ran"] = True
-                self._persist(budget_s=PERSIST_BESIDE_SHARE * seconds, during_step=True)
+                try:
+                    self._persist(budget_s=PERSIST_BESIDE_SHARE * seconds, during_step=True)
+                except Exception:  # the tiers' trouble is not the step's: its tokens stand
+                    log.exception("handing finished requests' pages to the KV tiers failed")
         t0 = time.perf_counter()
         try:
             tokens, logprobs = self.runner.step(batch, while_running=beside_step if beside else None)

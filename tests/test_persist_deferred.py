@@ -194,3 +194,25 @@ def test_pages_go_down_while_a_long_prefill_runs_not_after_it(engine, monkeypatc
             again.shutdown()
     finally:
         eng.shutdown()
+
+
+def test_a_failure_handing_pages_over_beside_a_step_does_not_fail_its_requests(engine, monkeypatch):
+    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)  # A's pages wait for B's step
+    eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
+    try:
+        a_out, b_out = [], []
+        eng.submit(_prompt(eng, "Count with me: " + " ".join(str(i) for i in range(20))), ONE, a_out.append)
+        _drive(eng, a_out, lambda: a_out and a_out[-1].finished)
+        assert eng._to_persist
+
+        def broken(pages):
+            raise RuntimeError("a tiers bug")
+
+        eng.tiers.persist = broken
+        eng.submit(_prompt(eng, "And now the other way: " + " ".join(str(i) for i in range(30, 0, -1))), ONE,
+                   b_out.append)
+        eng._iterate(None)  # B's prefill; A's pages fail to go down beside it
+        assert b_out and b_out[-1].finished and b_out[-1].finish_reason == "length"
+    finally:
+        eng.shutdown()
