@@ -183,7 +183,7 @@ def test_pages_go_down_while_a_long_prefill_runs_not_after_it(engine, monkeypatc
         eng._iterate(None)  # B's prefill, one step
         assert b_out and b_out[-1].finished
         assert len(during) >= left - 1 and not after  # all of A's named pages went during B's step
-        (table, _, done, _), = eng._to_persist  # B's own wait for the idle loop
+        (_, _, done, _), = eng._to_persist  # B's own wait for the idle loop
         assert done == 0
         # and the tokens are what a step without the hook gives
         again = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
