@@ -465,21 +465,18 @@ class Engine:
             pages = self.tiers.pages_beside(seconds)
             if pages:
                 self.tiers.pump(pages, beside_step=True)
-        beside = None
+        beside_step = None
         if pure_prefill and self._to_persist:
             # finished requests' pages go down while the device runs the prefill, not after it, where the
             # next request (sent as soon as its client had this step's token) waited for them
-            beside = {"ran": False}
-
             def beside_step() -> None:
-                beside["ran"] = True
                 try:
                     self._persist(budget_s=PERSIST_BESIDE_SHARE * seconds, during_step=True)
                 except Exception:  # the tiers' trouble is not the step's: its tokens stand
                     log.exception("handing finished requests' pages to the KV tiers failed")
         t0 = time.perf_counter()
         try:
-            tokens, logprobs = self.runner.step(batch, while_running=beside_step if beside else None)
+            tokens, logprobs = self.runner.step(batch, while_running=beside_step)
         except Exception as exc:  # a failed step fails its requests, not the server
             log.exception("engine step failed; failing %d request(s)", len(batch.seqs))
             for seq in batch.seqs:
@@ -491,7 +488,7 @@ class Engine:
         if pure_prefill:  # (no chunks without tiers)
             self.tiers.planner.observe_prefill(chunks, t1 - t0)
         self._take_tokens(batch, tokens, logprobs)
-        if not (beside and beside["ran"]):
+        if beside_step is None:  # (a step that returns has called it)
             self._persist(budget_s=PERSIST_SHARE * (t1 - t0))
         self.loop_seconds["post"] += time.perf_counter() - t1
         return None
@@ -504,9 +501,9 @@ class Engine:
         that ended before that step while ``budget_s`` lasts (those that ended in it wait for the
         loop to be idle, or for the next step: a turn sent as soon as its client had the last token
         is not held up by them). ``during_step``: called while a step runs (``runner.step``'s
-        ``while_running``), so the requests that ended before it may all go. A page taken for another block since its request ended is skipped:
-        when it was evicted the tiers got its copy (``KVTiers.spill``), and its K/V now belong to
-        another block."""
+        ``while_running``), so the requests that ended before it may all go. A page taken for
+        another block since its request ended is skipped: when it was evicted the tiers got its copy
+        (``KVTiers.spill``), and its K/V now belong to another block."""
         named, t0, chunks = self.blocks.named, time.perf_counter(), 0
         step = self.loop_steps + during_step  # the step that ends next: requests that end in it wait
         while self._to_persist:
