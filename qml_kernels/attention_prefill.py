@@ -25,6 +25,16 @@ Programs find their (sequence, tile) on the device: tile ``j`` of sequence ``b``
 grid needs only T and B from the host and no index tensor is built per call; the at most B
 programs that land past a sequence's last tile exit at once.
 
+Pipelining the gathers: a block's page ids come from the block table, so its K/V addresses depend on
+a load. Loaded in the iteration that gathers them, Triton 3.6's pipeliner staged the id load one
+block ahead and the gathers at distance 1, waiting for each block's K/V right after issuing them
+(``cp.async.wait_group 0``); the direct launch (8 warps, one program per SM) then waited out the load
+latency at every block. With ``prefetch_pages`` the ids of block j + 2 are loaded during block j and
+carried in registers, and the gathers go ``num_stages - 1`` blocks ahead: fresh 2,340-token prompts
+1.19-1.22x faster a layer, a 1,024-token chunk over 32k cached keys 1.44x. The split-KV launch keeps
+the ids beside its gathers (``split_prefetch_pages``): there two 4-warp programs per SM hide each
+other, and the extra K/V buffer costs one of them.
+
 Traffic and work: each sequence's K/V band is read (``2 L Hkv Dh`` elements without a window;
 a sequence of several tiles re-reads it per tile, mostly from L2) plus q and out (``2 T H Dh``);
 FLOPs are ``4 H Dh`` per visible (query, key) pair, about ``2 n_q L H Dh`` for a causal prefill.
@@ -73,6 +83,7 @@ layout and sink fold of qml_kernels.attention's reference.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +126,21 @@ class PagedPrefillAttentionConfig:
     # 100-400 new queries 7-14% faster (150: 212 vs 242 us; 219: 287 vs 311), 64 queries 10% slower
     # (120 vs 110 us); kv-upload-h200-attention-rule-2026-12-01.json
     split_num_warps: int | None = None
+    # pipeline stages of the split-KV launch; None: num_stages
+    split_num_stages: int | None = None
+    # the page ids of the wholly visible blocks are loaded two blocks ahead (``_attend_keys``), so
+    # that the pipeliner issues their K/V gathers num_stages - 1 blocks ahead; in the direct launch
+    # (``prefetch_pages``) and in the split-KV one (``split_prefetch_pages``). H200, bf16, one layer
+    # under a CUDA graph (benchmarks/results/attention-pipeline-h200-2026-12-02.md): direct, fresh
+    # 2,340-token prompts 198.6 -> 162.6 us (Llama-3.1-8B heads) and 191.4 -> 161.2 (Qwen3-30B-A3B),
+    # 1,024 new tokens over 32,000 cached 1,796 -> 1,251. Split-KV, the next turn over 27k keys: at
+    # 64-key blocks and 3 stages 2x slower (a third 32 KB K/V buffer leaves one 4-warp program per SM,
+    # and two programs hiding each other's softmax were worth more than the deeper pipeline), at
+    # 32-key blocks and 4 stages 2-5% slower than the ids beside (224 / 304 / 425 us against
+    # 220 / 295 / 404): it stays off there
+    # (QML_ATTENTION_PREFETCH=0 turns the direct launch's off, for A/B in the engine)
+    prefetch_pages: bool = os.environ.get("QML_ATTENTION_PREFETCH", "1") != "0"
+    split_prefetch_pages: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -124,10 +150,11 @@ class PagedPrefillAttentionConfig:
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"PagedPrefillAttentionConfig.num_splits must be >= 1, got {self.num_splits}")
         warps = 1 if self.split_num_warps is None else self.split_num_warps
-        if min(self.max_splits, self.min_keys_per_split, self.concurrent_programs, warps) < 1 \
+        stages = 1 if self.split_num_stages is None else self.split_num_stages
+        if min(self.max_splits, self.min_keys_per_split, self.concurrent_programs, warps, stages) < 1 \
                 or self.merge_overhead_keys < 0:
-            raise ValueError("PagedPrefillAttentionConfig: max_splits, min_keys_per_split, concurrent_programs and "
-                             "split_num_warps must be >= 1, merge_overhead_keys >= 0")
+            raise ValueError("PagedPrefillAttentionConfig: max_splits, min_keys_per_split, concurrent_programs, "
+                             "split_num_warps and split_num_stages must be >= 1, merge_overhead_keys >= 0")
 
     def split_warps(self, head_dim: int) -> int:
         """Warps of the split-KV launch."""
@@ -136,6 +163,10 @@ class PagedPrefillAttentionConfig:
     def split_concurrent_programs(self, head_dim: int) -> int:
         """Split-KV programs running at once: fewer warps a program leave room for more per SM."""
         return self.concurrent_programs * max(1, self.num_warps // self.split_warps(head_dim))
+
+    def split_stages(self, head_dim: int) -> int:
+        """Pipeline stages of the split-KV launch."""
+        return self.split_num_stages or self.num_stages
 
     def tiles(self, head_dim: int, group: int) -> tuple[int, int]:
         """(BLOCK_M, BLOCK_N) for this head dim; BLOCK_M holds at least one token's query heads. The
@@ -191,22 +222,46 @@ def _attend_keys(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, L, window, pre
                  stride_page, stride_slot, start, stop,
                  MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr = False):
     """Folds the keys of blocks [start, stop) into the running (acc, l_i, m_i) of the tile's rows.
 
     MASKED blocks cut the causal/window band (or run past L); the others are wholly visible to
-    every row of the tile, so they skip the mask and the guards it needs."""
+    every row of the tile, so they skip the mask and the guards it needs.
+
+    PREFETCH: the page ids of block j + 2 are loaded while block j is computed, and turned into
+    slot offsets during block j + 1, so a block's K/V gather depends on no load of its own
+    iteration. With the page ids loaded in the same iteration as the gather they address, Triton's
+    pipeliner (3.6) put the id load one stage ahead and the gathers at distance 1: each block's K/V
+    were issued at the end of the block before and waited for (``async_wait num=0``) right at the
+    start of the next, so the load latency was exposed every block. With the ids carried in
+    registers the gathers go ``num_stages - 1`` blocks ahead (``async_wait num=2`` at 3 stages)."""
     d = tl.arange(0, HEAD_DIM)
+    kk = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        # ids past L (the band's end, or past the last block) are masked: the block table's row may end there
+        first = start + kk
+        slot_next = (tl.load(bt_row + first // PAGE_SIZE, mask=first < L, other=0).to(tl.int64) * stride_page
+                     + (first % PAGE_SIZE) * stride_slot)
+        second = start + BLOCK_N + kk
+        page_after = tl.load(bt_row + second // PAGE_SIZE, mask=second < L, other=0)
     for n0 in range(start, stop, BLOCK_N):
         n0 = tl.multiple_of(n0, BLOCK_N)
-        keys = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
+        keys = n0 + kk  # [BLOCK_N] positions
         if MASKED:
             key_ok = keys < L  # slots past L may hold another sequence's or no data (even NaN)
-            page = tl.load(bt_row + keys // PAGE_SIZE, mask=key_ok, other=0)
+        if PREFETCH:
+            slot = slot_next
+            slot_next = (page_after.to(tl.int64) * stride_page
+                         + ((n0 + BLOCK_N + kk) % PAGE_SIZE) * stride_slot)
+            ahead = n0 + 2 * BLOCK_N + kk
+            page_after = tl.load(bt_row + ahead // PAGE_SIZE, mask=ahead < L, other=0)
         else:
-            page = tl.load(bt_row + keys // PAGE_SIZE)
-        # int64: page * stride passes 2^31 elements in caches of a few GB
-        slot = page.to(tl.int64) * stride_page + (keys % PAGE_SIZE) * stride_slot  # [BLOCK_N]
+            if MASKED:
+                page = tl.load(bt_row + keys // PAGE_SIZE, mask=key_ok, other=0)
+            else:
+                page = tl.load(bt_row + keys // PAGE_SIZE)
+            # int64: page * stride passes 2^31 elements in caches of a few GB
+            slot = page.to(tl.int64) * stride_page + (keys % PAGE_SIZE) * stride_slot  # [BLOCK_N]
         kv_offs = slot[:, None] + d[None, :]  # [BLOCK_N, Dh]
         if MASKED:
             k = tl.load(k_base + kv_offs, mask=key_ok[:, None], other=0.0)
@@ -247,7 +302,7 @@ def _paged_prefill_attention_kernel(
     GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # grid: (query tiles over the batch, KV heads, splits of each tile's keys); DIRECT: one split,
     # which writes out itself (part_* and num_splits unused)
@@ -321,7 +376,8 @@ def _paged_prefill_attention_kernel(
     acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, L, window,
                                  pre_scale, post_scale, stride_page, stride_slot,
                                  tl.maximum(full_lo, run_lo), tl.minimum(full_hi, run_hi),
-                                 False, HAS_WINDOW, HAS_SOFTCAP, PAGE_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                                 False, HAS_WINDOW, HAS_SOFTCAP, PAGE_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+                                 PREFETCH)
     acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, L, window,
                                  pre_scale, post_scale, stride_page, stride_slot,
                                  tl.maximum(full_hi, run_lo), run_hi,
@@ -443,7 +499,7 @@ def paged_prefill_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         **constexprs, num_warps=config.num_warps if splits == 1 else config.split_warps(Dh),
-        num_stages=config.num_stages,
+        num_stages=config.num_stages if splits == 1 else config.split_stages(Dh),
     )
     if splits > 1:
         # decode's merge: its workspace layout [rows, H, splits, Dh] is this one with rows = tokens
@@ -464,8 +520,36 @@ def _constexprs(H: int, Hkv: int, Dh: int, S: int, dtype: torch.dtype, window: b
             "BLOCK_M": block_m, "BLOCK_N": block_n,
             "SEQ_CHUNK": 64,  # sequences scanned per step of the program -> sequence search
             "HAS_WINDOW": window, "HAS_SINKS": sinks, "HAS_SOFTCAP": softcap, "DIRECT": direct,
+            # the wholly visible blocks' loop (all but a block or two per tile) gathers K/V ahead
+            "PREFETCH": config.prefetch_pages if direct else config.split_prefetch_pages,
             # fp32 inputs would otherwise run as tf32 on the GPU (10-bit mantissa); half types ignore it
             "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+
+
+_STRIDES = ("stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_page", "stride_slot", "stride_head")
+_SIGNATURE = {
+    **{name: "*bf16" for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")},
+    "sinks_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+    "block_tables_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "context_lens_ptr": "*i32",
+    "num_seqs": "i32", "num_heads": "i32", "num_splits": "i32", "pre_scale": "fp32", "post_scale": "fp32",
+    "window": "i32",
+    **{name: "i32" for name in (*_STRIDES, "stride_bt")},
+    **{name: "constexpr" for name in ("GROUP", "TILE_TOKENS", "HEAD_DIM", "PAGE_SIZE", "BLOCK_M", "BLOCK_N",
+                                      "SEQ_CHUNK", "HAS_WINDOW", "HAS_SINKS", "HAS_SOFTCAP", "DIRECT",
+                                      "DOT_PRECISION", "PREFETCH")},
+}
+
+
+def hopper_compile_request(H: int, Hkv: int, Dh: int, S: int = 16, window: bool = False, sinks: bool = False,
+                           softcap: bool = False, direct: bool = True,
+                           config: PagedPrefillAttentionConfig = PagedPrefillAttentionConfig()) -> dict:
+    """``workbench.compile.compile_check``'s arguments for the bf16 kernel as the launcher specialises it
+    (``direct``: one split, else the split-KV form writing the fp32 workspace); cache and q strides are
+    multiples of 16 elements at model sizes, which a real launch tells the compiler."""
+    return {"kernel": _paged_prefill_attention_kernel, "signature": _SIGNATURE,
+            "constexprs": _constexprs(H, Hkv, Dh, S, torch.bfloat16, window, sinks, softcap, config, direct),
+            "num_warps": config.num_warps if direct else config.split_warps(Dh),
+            "num_stages": config.num_stages if direct else config.split_stages(Dh), "divisible": _STRIDES}
 
 
 def _supported(q, k_cache, v_cache, meta, scale, sliding_window=None, sinks=None, softcap=None, out=None,
