@@ -56,6 +56,7 @@ from qml_runtime.kv.disk_writer import DiskWriter
 from qml_runtime.kv.host_tier import HostTier
 from qml_runtime.kv.planner import Plan, RestorePlanner
 from qml_runtime.kv.prefix import unpack
+from qml_runtime.kv.spill_queue import SpillQueue
 
 log = logging.getLogger("qml.kv.tiers")
 
@@ -141,7 +142,7 @@ class KVTiers:
         self.pump_beside = os.environ.get("QML_PUMP_BESIDE", "1") != "0"
         if self._in_place:
             self._compile_page_copy()
-        self._pending: list[tuple[int, int]] = []  # (page, host slot) spilled, not yet copied down
+        self._pending = SpillQueue()  # (page, host slot) spilled, not yet copied down
         # finished requests' pages kept in host RAM: a slot is reserved, the copy waits for ``pump``
         # (page -> slot, oldest first, and slot -> page). On the H200 a 3.5 GB restore beside a 3.5 GB
         # copy down took 104 ms against 70 alone, and a history copied down at its end was still on
@@ -176,7 +177,7 @@ class KVTiers:
         """A cached GPU page is about to be reused: keep its content in host RAM (or on disk).
         The copy happens at the next ``flush_spills``, before the step that reuses the page."""
         if page in self._deferred:  # kept when its request ended, not copied yet: now it must be
-            self._pending.append((page, self._undefer(page)))
+            self._pending.append(page, self._undefer(page))
             return
         saving = self._saving.pop(page, None)
         if saving is not None:  # its copy down (pump) may be queued, not yet run
@@ -214,7 +215,7 @@ class KVTiers:
             self._deferred[page] = slot
             self._deferred_slots[slot] = page
         elif slot is not None:
-            self._pending.append((page, slot))
+            self._pending.append(page, slot)
         return slot is not None
 
     def _undefer(self, page: int) -> int:
@@ -228,7 +229,7 @@ class KVTiers:
         for slot in slots:
             page = self._deferred_slots.get(slot)
             if page is not None:
-                self._pending.append((page, self._undefer(page)))
+                self._pending.append(page, self._undefer(page))
 
     @property
     def deferred(self) -> int:
@@ -316,7 +317,7 @@ class KVTiers:
         copies that concern it are waited for (a full host tier evicts one entry per page it takes,
         and settling everything each time serialised a whole restore's spills, page by page)."""
         self._copy_deferred_now([slot])
-        if any(s == slot for _, s in self._pending):
+        if self._pending.has_slot(slot):
             self.flush_spills()
         event = self._slot_events.pop(slot, None)
         if event is not None:
@@ -340,19 +341,23 @@ class KVTiers:
         # by slot: evicted pages come in LRU order, whose slots are scattered, and a copy per run of
         # consecutive slots was then a copy per page (1,700 cudaMemcpyAsync, ~64 ms of a 27k-token
         # turn's scheduling on the H200); the staging rows may follow any order
-        self._pending.sort(key=lambda pair: pair[1])
+        pending = self._pending.drain_by_slot()
         # in the pump's chunks (128 MiB): the caching allocator then serves every spill gather from the
         # blocks the pump's gathers left. A turn that spills 1,708 pages in 512-page batches would need
         # ~8 GiB of fresh device memory the first time (each batch gathers, then makes it contiguous),
         # and the first host-RAM turn after a burst took 80 ms more than the next one (unmeasured guess:
         # cudaMalloc; see benchmarks/results/sessions-h200-2026-12-01.md)
         step = min(self.pump_pages, MAX_BATCH_PAGES)
-        while self._pending:
-            batch, self._pending = self._pending[:step], self._pending[step:]
+        for at in range(0, len(pending), step):
+            batch = pending[at: at + step]
             # evicted pages: not the pages of a restore in flight, so no wait for it (the turn that
             # restores its history evicts pages for its own new tokens after the restore is queued,
             # and waiting here would serialise that restore with the turn's prefill)
-            gathered.append((self._gather([p for p, _ in batch], settle=False), batch))
+            try:
+                gathered.append((self._gather([p for p, _ in batch], settle=False), batch))
+            except BaseException:
+                self._pending.extend(pending[at:])  # not gathered: still to copy down
+                raise
         return gathered
 
     def _copy_down(self, gathered: list) -> None:
@@ -712,7 +717,7 @@ class KVTiers:
             return
         read = {slot for src, _, s, n in sources if src is self.host.slots for slot in range(s, s + n)}
         self._copy_deferred_now([slot for slot in self._deferred_slots if slot in read])
-        if any(slot in read for _, slot in self._pending):
+        if self._pending.any_slot_in(read):
             self.flush_spills()
 
     def _slot_waits(self, sources) -> list:
