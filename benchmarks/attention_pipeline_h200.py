@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from gemv_h200 import graph_us  # beside this script
 from qml_kernels.attention import paged_attention_ref
 from qml_kernels.attention_prefill import (
     PAGED_PREFILL_ATTENTION_SPEC,
@@ -67,32 +68,11 @@ PREFILL_WIDE = (
 TOLERANCE = 1.6e-2  # bf16, as tests/test_attention_prefill_triton.py
 
 
-def _time(fn, calls: int = 10, reps: int = 7) -> float:
-    """Median ms of one call of ``fn``, from a CUDA graph of ``calls`` calls replayed between two CUDA
-    events: as the engine runs decode (and short prefills), and without the ~50-100 us a Python
-    launch takes, which kernels this short would otherwise be timed by."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm the caching allocator off the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    times.sort()
-    return times[len(times) // 2]
+def _time(fn) -> float:
+    """Median ms of one call of ``fn`` replayed from a CUDA graph, as the engine runs decode and short
+    prefills, and without the ~50-100 us of a Python launch, which kernels this short would otherwise
+    be timed by. (The 2026-12-02 runs used 10 calls a graph and 7 replays; this is 16 and 5.)"""
+    return graph_us(lambda _: fn(), 1) / 1e3
 
 
 def _reference(x: dict) -> torch.Tensor:
