@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+from gemv_h200 import graph_us  # beside this script: the CUDA-graph timing loop
 
-from gemv_h200 import graph_us  # beside this script
 from qml_kernels.attention import paged_attention_ref
 from qml_kernels.attention_prefill import (
     PAGED_PREFILL_ATTENTION_SPEC,
