@@ -218,6 +218,13 @@ def _tanh(x):
 
 
 @triton.jit
+def _slot_offsets(page, keys, stride_page, stride_slot, PAGE_SIZE: tl.constexpr):
+    """Element offsets of key positions ``keys`` in the cache, given their pages' ids. int64: page *
+    stride passes 2^31 elements in caches of a few GB."""
+    return page.to(tl.int64) * stride_page + (keys % PAGE_SIZE) * stride_slot
+
+
+@triton.jit
 def _attend_keys(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, L, window, pre_scale, post_scale,
                  stride_page, stride_slot, start, stop,
                  MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -240,8 +247,8 @@ def _attend_keys(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, L, window, pre
     if PREFETCH:
         # ids past L (the band's end, or past the last block) are masked: the block table's row may end there
         first = start + kk
-        slot_next = (tl.load(bt_row + first // PAGE_SIZE, mask=first < L, other=0).to(tl.int64) * stride_page
-                     + (first % PAGE_SIZE) * stride_slot)
+        slot_next = _slot_offsets(tl.load(bt_row + first // PAGE_SIZE, mask=first < L, other=0), first,
+                                  stride_page, stride_slot, PAGE_SIZE)
         second = start + BLOCK_N + kk
         page_after = tl.load(bt_row + second // PAGE_SIZE, mask=second < L, other=0)
     for n0 in range(start, stop, BLOCK_N):
@@ -251,8 +258,7 @@ def _attend_keys(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, L, window, pre
             key_ok = keys < L  # slots past L may hold another sequence's or no data (even NaN)
         if PREFETCH:
             slot = slot_next
-            slot_next = (page_after.to(tl.int64) * stride_page
-                         + ((n0 + BLOCK_N + kk) % PAGE_SIZE) * stride_slot)
+            slot_next = _slot_offsets(page_after, n0 + BLOCK_N + kk, stride_page, stride_slot, PAGE_SIZE)
             ahead = n0 + 2 * BLOCK_N + kk
             page_after = tl.load(bt_row + ahead // PAGE_SIZE, mask=ahead < L, other=0)
         else:
@@ -260,8 +266,7 @@ def _attend_keys(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, L, window, pre
                 page = tl.load(bt_row + keys // PAGE_SIZE, mask=key_ok, other=0)
             else:
                 page = tl.load(bt_row + keys // PAGE_SIZE)
-            # int64: page * stride passes 2^31 elements in caches of a few GB
-            slot = page.to(tl.int64) * stride_page + (keys % PAGE_SIZE) * stride_slot  # [BLOCK_N]
+            slot = _slot_offsets(page, keys, stride_page, stride_slot, PAGE_SIZE)  # [BLOCK_N]
         kv_offs = slot[:, None] + d[None, :]  # [BLOCK_N, Dh]
         if MASKED:
             k = tl.load(k_base + kv_offs, mask=key_ok[:, None], other=0.0)
