@@ -44,9 +44,6 @@ class SpillQueue:
         self._pairs, self._slots = [], Counter()
         return pairs
 
-    def slots(self) -> set[int]:
-        return set(self._slots)
-
     def __len__(self) -> int:
         return len(self._pairs)
 
