@@ -215,9 +215,9 @@ def test_a_first_measurement_replaces_the_guess_and_only_measurements_are_saved(
 
 
 def test_a_restart_on_a_store_with_no_measured_disk_rate_probes_the_disk(engine, expected, tmp_path, monkeypatch):
-    import qml_runtime.kv.tiers as tiers
+    import qml_runtime.kv.planner_rates as planner_rates
 
-    monkeypatch.setattr(tiers, "PROBE_MIN_BLOCKS", 2)  # the small model's conversation leaves a few blocks
+    monkeypatch.setattr(planner_rates, "PROBE_MIN_BLOCKS", 2)  # the small model's conversation leaves a few blocks
     first = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
     try:
         turns(first)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from qml_runtime.config import CacheConfig, SchedulerConfig
 from qml_runtime.engine import Engine
+from qml_runtime.kv.disk_store import RATES_NAME
 from qml_runtime.kv.planner import RestorePlanner
 from qml_runtime.sampling_params import SamplingParams
 
@@ -269,7 +270,7 @@ def test_rates_survive_a_restart_and_bad_files_are_ignored(engine, tmp_path):
     second = sibling(engine, tmp_path)
     try:
         assert second.tiers.planner.disk_bytes_per_s == pytest.approx(1.23e9)
-        rates = second.tiers.disk.dir / second.tiers.RATES_FILE
+        rates = second.tiers.disk.dir / RATES_NAME
     finally:
         second.shutdown()
     for bad in ("{not json", '{"disk_bytes_per_s": -5, "host_bytes_per_s": "fast"}', "[1, 2]"):
@@ -301,7 +302,7 @@ def test_only_chunks_from_the_start_of_a_history_scale_the_curve():
 
 def test_the_disk_probe_counts_a_share_of_what_it_read_alone():
     """The start-up probe reads with nothing beside it; a restore reads beside its recompute, slower."""
-    from qml_runtime.kv import tiers as tiers_mod
+    from qml_runtime.kv import planner_rates
 
     class Disk:
         def probe_names(self, nbytes):
@@ -310,8 +311,7 @@ def test_the_disk_probe_counts_a_share_of_what_it_read_alone():
         def cold_read(self, name):
             return 1000
 
-    probe = tiers_mod.KVTiers.__new__(tiers_mod.KVTiers)  # only what the probe touches
-    probe.disk, probe.planner, seen = Disk(), RestorePlanner(), []
-    probe.planner.observe = lambda kind, amount, seconds: seen.append((kind, amount))
-    probe._probe_disk()
-    assert 0 < tiers_mod.PROBE_SHARE < 1 and seen == [("disk", tiers_mod.PROBE_SHARE * 3000)]
+    planner, seen = RestorePlanner(), []
+    planner.observe = lambda kind, amount, seconds: seen.append((kind, amount))
+    planner_rates.probe_disk(Disk(), planner, threads=8)
+    assert 0 < planner_rates.PROBE_SHARE < 1 and seen == [("disk", planner_rates.PROBE_SHARE * 3000)]

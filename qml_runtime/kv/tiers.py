@@ -37,7 +37,6 @@ the disk store is handed the ids (``unpack``) when a block is written or read.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -51,10 +50,11 @@ import numpy as np
 import torch
 
 from qml_runtime.kv.cache import KVCache
-from qml_runtime.kv.disk_store import RATES_NAME, DiskStore
+from qml_runtime.kv.disk_store import DiskStore
 from qml_runtime.kv.disk_writer import DiskWriter
 from qml_runtime.kv.host_tier import HostTier
 from qml_runtime.kv.planner import Plan, RestorePlanner
+from qml_runtime.kv.planner_rates import load_rates, needs_probe, probe_disk, save_rates
 from qml_runtime.kv.prefix import unpack
 from qml_runtime.kv.spill_queue import SpillQueue
 
@@ -74,12 +74,6 @@ MAX_PENDING_WRITE_BYTES = 4 << 30  # gathered pages waiting for the disk writer;
 # parallel block reads: the H200 host's disk gave encoded blocks back at 1.94 GB/s of KV with 4 threads,
 # 2.22 with 8, 2.17 with 16 (benchmarks/disk_read_h200.py --store)
 LOADER_THREADS = 8
-PROBE_BYTES = 64 << 20  # the start-up disk probe reads this much (~50 ms at 1.4 GB/s)
-PROBE_MIN_BLOCKS = 8
-# the probe reads alone; a restore reads beside the recompute it is split with (the GPU's prefill, the
-# engine thread, the blocks decoded): on the H200 the probe gave 2.01 GB/s and the restore after it ~1.7
-# (sessions-h200-2026-12-02.md), and its plan, streaming too much, took 877 ms against 629 estimated
-PROBE_SHARE = 0.85
 
 
 @dataclass
@@ -165,9 +159,10 @@ class KVTiers:
         self._timing: list = []  # (start, end events, bytes) of uploads, observed once done
         self._writer = self._loader = None
         if disk is not None:
-            self._load_rates()
-            if "disk_bytes_per_s" not in self.planner.measured and len(disk) >= PROBE_MIN_BLOCKS:
-                threading.Thread(target=self._probe_disk, name="qml-kv-probe", daemon=True).start()
+            load_rates(self.planner, disk.dir)
+            if needs_probe(self.planner, disk):
+                threading.Thread(target=probe_disk, args=(disk, self.planner, LOADER_THREADS), name="qml-kv-probe",
+                                 daemon=True).start()
             self._writer = DiskWriter(disk, self.block_bytes, self.stats)
             self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="qml-kv-loader")
 
@@ -461,55 +456,9 @@ class KVTiers:
         if self._writer is not None:
             self._writer.join()
 
-    # the planner's measured rates, kept beside the store: after a restart they are better first
-    # guesses than the defaults (the prefill curve is measured again at each start)
-    RATES_FILE = RATES_NAME
-
-    def _load_rates(self) -> None:
-        try:
-            saved = json.loads((self.disk.dir / self.RATES_FILE).read_text())
-        except (OSError, ValueError):
-            return
-        if isinstance(saved, dict):
-            self.planner.load_rates(saved)
-            log.info("restore planner: rates from the last run: host %.1f GB/s, disk %.2f GB/s",
-                     self.planner.host_bytes_per_s / 1e9, self.planner.disk_bytes_per_s / 1e9)
-
-    def _probe_disk(self) -> None:
-        """No measured disk rate yet (a first start on a store written by an older run, or one that never
-        read): read a few of the oldest blocks cold, as many at once as a restore does, and measure.
-        The default guess is conservative; a restore planned on it recomputes what the disk could
-        have brought in faster (H200: 0.5 GB/s guessed, 1.1-1.5 GB/s measured)."""
-        names = self.disk.probe_names(PROBE_BYTES)
-        parts = [names[i::LOADER_THREADS] for i in range(LOADER_THREADS)]
-        done = [0] * len(parts)
-
-        def read(i: int) -> None:
-            done[i] = sum(self.disk.cold_read(name) for name in parts[i])
-
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(parts))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        seconds = time.perf_counter() - t0
-        if sum(done) and "disk_bytes_per_s" not in self.planner.measured:  # a restore may have measured first
-            self.planner.observe("disk", PROBE_SHARE * sum(done), seconds)
-            log.info("restore planner: disk read %.2f GB/s (probe: %d blocks read cold in %.1f ms, x%.2f for a "
-                     "restore's company)", self.planner.disk_bytes_per_s / 1e9, len(names), seconds * 1e3,
-                     PROBE_SHARE)
-
     def save_rates(self) -> None:
-        if self.disk is None:
-            return
-        path = self.disk.dir / self.RATES_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            tmp.write_text(json.dumps(self.planner.rates()))
-            os.replace(tmp, path)
-        except OSError as exc:  # a read-only or full disk costs the next start its first guesses, nothing more
-            log.warning("could not save the restore planner's rates: %s", exc)
+        if self.disk is not None:
+            save_rates(self.planner, self.disk.dir)
 
     def close(self) -> None:
         """Finish the queued writes and release the disk store (idempotent)."""
