@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from qml_kernels import pdl
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
@@ -46,7 +47,9 @@ class GatedActivationConfig:
 def _gated_activation_kernel(
     gate_up_ptr, out_ptr, I, stride_in, stride_out,
     GELU_TANH: tl.constexpr, BLOCK_I: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     # rows on grid axis 0 (up to 2^31 - 1) since prefill T can pass axis 1's 65535 limit
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I]
@@ -83,7 +86,7 @@ def _launch(gate_up: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool,
     block_i = min(config.block_i, triton.next_power_of_2(I))
     _gated_activation_kernel[(T, triton.cdiv(I, block_i))](
         gate_up, out, I, gate_up.stride(0), out.stride(0),
-        GELU_TANH=gelu_tanh, BLOCK_I=block_i, num_warps=config.num_warps,
+        GELU_TANH=gelu_tanh, BLOCK_I=block_i, num_warps=config.num_warps, **pdl.launch_args(gate_up),
     )
     return out
 

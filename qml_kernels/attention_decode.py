@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from qml_kernels.attention import AttentionMetadata, paged_attention_ref
+from qml_kernels import pdl
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
@@ -90,8 +91,9 @@ def _paged_decode_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # the newest key/value row is the kernel before's (rope_kv_write)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -169,7 +171,9 @@ def _paged_decode_attention_merge_kernel(
     part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr,
     H, num_splits, stride_o_t, stride_o_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_SPLITS)  # [BLOCK_SPLITS]
@@ -275,13 +279,13 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=config.keys_per_step(Dh),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         DIRECT=splits == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(q),
     )
     if splits > 1:
         _paged_decode_attention_merge_kernel[(T, H)](
             part_o, part_lse, sinks_arg, out, H, splits, out.stride(0), out.stride(1),
             HEAD_DIM=Dh, BLOCK_D=block_d, BLOCK_SPLITS=triton.next_power_of_2(splits),
-            HAS_SINKS=sinks is not None, num_warps=4,
+            HAS_SINKS=sinks is not None, num_warps=4, **pdl.launch_args(q),
         )
     return out
 

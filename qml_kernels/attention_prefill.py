@@ -92,6 +92,7 @@ import triton.language as tl
 
 from qml_kernels.attention import AttentionMetadata, paged_attention_ref
 from qml_kernels.attention_decode import H200_SMS, _paged_decode_attention_merge_kernel
+from qml_kernels import pdl
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
@@ -307,10 +308,11 @@ def _paged_prefill_attention_kernel(
     GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (query tiles over the batch, KV heads, splits of each tile's keys); DIRECT: one split,
     # which writes out itself (part_* and num_splits unused)
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -504,14 +506,14 @@ def paged_prefill_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         **constexprs, num_warps=config.num_warps if splits == 1 else config.split_warps(Dh),
-        num_stages=config.num_stages if splits == 1 else config.split_stages(Dh),
+        num_stages=config.num_stages if splits == 1 else config.split_stages(Dh), **pdl.launch_args(q),
     )
     if splits > 1:
         # decode's merge: its workspace layout [rows, H, splits, Dh] is this one with rows = tokens
         _paged_decode_attention_merge_kernel[(T, H)](
             part_o, part_lse, sinks_arg, out, H, splits, out.stride(0), out.stride(1),
             HEAD_DIM=Dh, BLOCK_D=Dh, BLOCK_SPLITS=triton.next_power_of_2(splits),
-            HAS_SINKS=sinks is not None, num_warps=4,
+            HAS_SINKS=sinks is not None, num_warps=4, **pdl.launch_args(q),
         )
     return out
 

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qml_kernels import pdl
+
 MAX_TOKENS = 4  # rows of x one call takes: the accumulator grows with them
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -55,7 +57,8 @@ class GemvConfig:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, T, N, K, stride_x, stride_w, stride_y,
-                 T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 T_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
     row_ok = rows < N
     tokens = tl.arange(0, T_PAD)
@@ -101,5 +104,6 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     _gemv_kernel[(triton.cdiv(N, config.block_n),)](
         x, weight, out, T, N, K, x.stride(0), weight.stride(0), out.stride(0),
         T_PAD=triton.next_power_of_2(T), BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps,
+        **pdl.launch_args(x),
     )
     return out

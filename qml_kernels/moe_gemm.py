@@ -55,6 +55,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from qml_kernels.moe_decode import decode_applies, moe_decode
 from qml_kernels.moe_route import fused_route_applies, moe_route
 from qml_kernels.moe_routing import draw_expert_ids, moe_align, moe_align_ref, moe_combine, moe_router, moe_router_ref
+from qml_kernels import pdl
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
@@ -146,7 +147,9 @@ def _moe_gemm_kernel(
     N_OUT, K, E, stride_a, stride_we, stride_wn, stride_out,
     PAIRS_PER_ROW: tl.constexpr, SWIGLU: tl.constexpr, PRECISION: tl.constexpr, TMA_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     first_row = tl.program_id(0) * BLOCK_M
     used_rows = tl.load(offsets_ptr + E)
     if first_row >= used_rows:
@@ -242,7 +245,7 @@ def moe_gemm_triton(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor
         # fp32 in full precision, as torch's default fp32 matmul (TF32 off)
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(a),
     )
     return out
 

@@ -46,6 +46,7 @@ from qml_kernels.moe_routing import (
     moe_router_ref,
     padded_rows,
 )
+from qml_kernels import pdl
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
@@ -60,7 +61,9 @@ def _moe_route_kernel(
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PAD_COLS: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     rows = tl.arange(0, BLOCK_T)
     sel_w, sel_id = _route_tile(logits_ptr, rows, T, E, stride_logits, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E,
                                 BLOCK_K)
@@ -120,6 +123,7 @@ def moe_route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, block_
     _moe_route_kernel[(1,)](
         logits, weights, ids, sorted_pairs, offsets, inverse, T, E, R, logits.stride(0),
         TOP_K=top_k, RENORMALIZE=bool(renormalize), ALIGN=block_size, **blocks, num_warps=_num_warps(blocks),
+        **pdl.launch_args(logits),
     )
     return weights, ids, sorted_pairs, offsets, inverse
 

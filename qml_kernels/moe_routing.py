@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qml_kernels import pdl
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
@@ -134,7 +135,9 @@ def _moe_router_kernel(
     logits_ptr, weights_ptr, ids_ptr, T, E, stride_logits,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     sel_w, sel_id = _route_tile(logits_ptr, rows, T, E, stride_logits, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E,
                                  BLOCK_K)
@@ -170,7 +173,7 @@ def moe_router_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *,
         logits, weights, ids, T, E, logits.stride(0),
         TOP_K=top_k, RENORMALIZE=bool(renormalize),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, **pdl.launch_args(logits),
     )
     return weights, ids
 
@@ -253,7 +256,9 @@ def _moe_align_kernel(
     ids_ptr, sorted_pairs_ptr, offsets_ptr, inverse_ptr, P, E, R,
     ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, PAD_COLS: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     chunk = tl.arange(0, BLOCK_P)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, P, BLOCK_P):
@@ -268,8 +273,10 @@ def _moe_align_kernel(
 
 
 @triton.jit
-def _moe_align_count_kernel(ids_ptr, counts_ptr, P, E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+def _moe_align_count_kernel(ids_ptr, counts_ptr, P, E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                            PDL: tl.constexpr):
     """counts[c, e]: the pairs of chunk c that go to expert e. counts: [chunks + 1, E]."""
+    pdl.enter(PDL)
     chunk = tl.program_id(0)
     pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
     experts = tl.arange(0, BLOCK_E)
@@ -278,9 +285,10 @@ def _moe_align_count_kernel(ids_ptr, counts_ptr, P, E, BLOCK_P: tl.constexpr, BL
 
 
 @triton.jit
-def _moe_align_scan_kernel(counts_ptr, num_chunks, E, BLOCK_C: tl.constexpr):
+def _moe_align_scan_kernel(counts_ptr, num_chunks, E, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     """One program per expert, in place: counts[c, e] -> the pairs of expert e in chunks before c;
     row ``num_chunks`` gets the expert's total."""
+    pdl.enter(PDL)
     expert = tl.program_id(0)
     before = tl.zeros([BLOCK_C], dtype=tl.int32)  # pairs of this expert in the chunks done so far
     for first in range(0, num_chunks + 1, BLOCK_C):
@@ -296,7 +304,9 @@ def _moe_align_scatter_kernel(
     ids_ptr, counts_ptr, sorted_pairs_ptr, offsets_ptr, inverse_ptr, P, E, R, num_chunks,
     ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, PAD_COLS: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     chunk = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     # every program derives the segments from the totals (E values: cheaper than a fourth launch)
@@ -342,16 +352,18 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_size: int, *,
     num_chunks = triton.cdiv(P, blocks["BLOCK_P"])
     if num_chunks <= config.align_one_program_chunks:
         _moe_align_kernel[(1,)](ids, sorted_pairs, offsets, inverse, P, num_experts, R,
-                                ALIGN=block_size, **blocks, num_warps=config.num_warps)
+                                ALIGN=block_size, **blocks, num_warps=config.num_warps, **pdl.launch_args(ids))
         return sorted_pairs, offsets, inverse
     counts = torch.empty((num_chunks + 1, num_experts), dtype=torch.int32, device=ids.device)  # [chunks + 1, E]
+    launch = pdl.launch_args(ids)
     _moe_align_count_kernel[(num_chunks,)](ids, counts, P, num_experts, BLOCK_P=blocks["BLOCK_P"],
-                                           BLOCK_E=blocks["BLOCK_E"], num_warps=config.num_warps)
+                                           BLOCK_E=blocks["BLOCK_E"], num_warps=config.num_warps, **launch)
     _moe_align_scan_kernel[(num_experts,)](counts, num_chunks, num_experts,
                                            BLOCK_C=min(1024, triton.next_power_of_2(num_chunks + 1)),
-                                           num_warps=config.num_warps)
+                                           num_warps=config.num_warps, **launch)
     _moe_align_scatter_kernel[(num_chunks,)](ids, counts, sorted_pairs, offsets, inverse, P, num_experts, R,
-                                             num_chunks, ALIGN=block_size, **blocks, num_warps=config.num_warps)
+                                             num_chunks, ALIGN=block_size, **blocks, num_warps=config.num_warps,
+                                             **launch)
     return sorted_pairs, offsets, inverse
 
 
@@ -380,7 +392,9 @@ def moe_align_ref(ids: torch.Tensor, num_experts: int,
 def _moe_combine_kernel(
     y_ptr, weights_ptr, out_ptr, D, stride_y, stride_out,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     slots = tl.arange(0, BLOCK_K)  # [BLOCK_K]
@@ -422,7 +436,7 @@ def moe_combine_triton(y: torch.Tensor, weights: torch.Tensor, *, out: torch.Ten
     block_d, num_warps = _combine_blocks(T, D, config)
     _moe_combine_kernel[(T, triton.cdiv(D, block_d))](
         y, weights, out, D, y.stride(0), out.stride(0),
-        TOP_K=k, BLOCK_K=triton.next_power_of_2(k), BLOCK_D=block_d, num_warps=num_warps,
+        TOP_K=k, BLOCK_K=triton.next_power_of_2(k), BLOCK_D=block_d, num_warps=num_warps, **pdl.launch_args(y),
     )
     return out
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qml_kernels import pdl
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
@@ -60,8 +61,10 @@ def _rmsnorm_kernel(
     T, D, stride_x, stride_res, stride_out, stride_res_out,
     eps, offset,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # one program normalises BLOCK_T rows; res_ptr/res_out_ptr are unused unless ADD_RESIDUAL
+    pdl.enter(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     rows = rows.to(tl.int64)  # T * stride passes 2^31 for long prefills of wide rows
     row_ok = rows < T
@@ -140,7 +143,7 @@ def _launch(x, residual, weight, eps, offset, out, residual_out, config: RMSNorm
         T, D, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         float(eps), float(offset),
         BLOCK_T=block_t, BLOCK_D=block_d, ONE_CHUNK=D <= block_d, ADD_RESIDUAL=residual is not None,
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, **pdl.launch_args(x),
     )
 
 

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from qml_kernels.attention import kv_write_ref
+from qml_kernels import pdl
 from qml_kernels.registry import dispatch, register
 from qml_kernels.rope import rope_cos_sin, rope_inv_freq, rope_ref
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
@@ -138,9 +139,11 @@ def _rope_kv_write_kernel(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
     INTERLEAVED: tl.constexpr, Q_COPY_PASS: tl.constexpr, HAS_PASS: tl.constexpr, HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # grid: (tokens, q head blocks then kv head blocks); tokens on axis 0, the only one not
     # capped at 65535 programs
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)  # T * stride passes 2^31 for long prefills of fused QKV rows
     block = tl.program_id(1)
     q_blocks = tl.cdiv(H, BLOCK_H)
@@ -250,7 +253,7 @@ def rope_kv_write_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
         cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
-        **constexprs, num_warps=num_warps,
+        **constexprs, num_warps=num_warps, **pdl.launch_args(q),
     )
     return out, k_cache, v_cache
 

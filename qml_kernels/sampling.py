@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qml_kernels import pdl
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
@@ -116,7 +117,8 @@ def _largest_cut(base, V, x_max, scale, lo, target, BLOCK: tl.constexpr, MASS: t
 @triton.jit
 def _sample_kernel(logits_ptr, stride_b, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, steps_ptr,
                    out_ptr, cutoff_ptr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                   WRITE_CUTOFF: tl.constexpr):
+                   WRITE_CUTOFF: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_b
     cols = tl.arange(0, BLOCK)
@@ -204,7 +206,7 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         cutoff if cutoff is not None else out,
         BLOCK=config.block_v, NUM_BLOCKS=triton.next_power_of_2(triton.cdiv(V, config.block_v)),
         SEARCH_STEPS=config.search_steps, WRITE_CUTOFF=cutoff is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(logits),
     )
     return out
 

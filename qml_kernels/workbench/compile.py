@@ -13,6 +13,8 @@ Two details make the result faithful:
 - A real launch tells the compiler that tensor pointers are 16-byte aligned (and
   which integer arguments are multiples of 16), which turns element loads into
   128-bit vector loads; ``aligned=True`` and ``divisible=`` give the same hints.
+- A kernel with a ``PDL`` constexpr (``qml_kernels.pdl``) is compiled with it on unless
+  the request says otherwise: that is how the H200 launches it.
 """
 
 from __future__ import annotations
@@ -75,7 +77,15 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
 def _compile_here(kernel, signature, constexprs, num_warps, num_stages, arch, aligned, divisible) -> CompileReport:
     fn = _jit_function(kernel)
     name = fn.fn.__name__ if hasattr(fn, "fn") else str(kernel)
-    hinted = {i for i, (arg, ty) in enumerate(signature.items()) if (aligned and ty.startswith("*")) or arg in divisible}
+    params = [p.name for p in fn.params]
+    if "PDL" in params and "PDL" not in signature:
+        # a kernel that takes qml_kernels.pdl's constexpr is compiled as the H200 launches it: with
+        # its grid-dependency instructions (a request that names PDL decides for itself); in the
+        # kernel's argument order, which the divisibility hints below count in
+        signature = {n: signature.get(n, "constexpr") for n in params if n in signature or n == "PDL"}
+        constexprs = {"PDL": True, **constexprs}
+    hinted = {i for i, (arg, ty) in enumerate(signature.items())
+              if (aligned and ty.startswith("*")) or arg in divisible}
     attrs = {(i,): [["tt.divisibility", 16]] for i in sorted(hinted)}
     try:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
