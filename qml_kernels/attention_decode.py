@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qml_kernels.attention import AttentionMetadata, paged_attention_ref
 from qml_kernels import pdl
+from qml_kernels.attention import AttentionMetadata, paged_attention_ref
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 

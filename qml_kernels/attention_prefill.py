@@ -90,9 +90,9 @@ import torch
 import triton
 import triton.language as tl
 
+from qml_kernels import pdl
 from qml_kernels.attention import AttentionMetadata, paged_attention_ref
 from qml_kernels.attention_decode import H200_SMS, _paged_decode_attention_merge_kernel
-from qml_kernels import pdl
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 

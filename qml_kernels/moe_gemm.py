@@ -52,10 +52,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from qml_kernels import pdl
 from qml_kernels.moe_decode import decode_applies, moe_decode
 from qml_kernels.moe_route import fused_route_applies, moe_route
 from qml_kernels.moe_routing import draw_expert_ids, moe_align, moe_align_ref, moe_combine, moe_router, moe_router_ref
-from qml_kernels import pdl
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qml_kernels import pdl
 from qml_kernels.moe_routing import (
     _FLOAT_DTYPES,
     _route_tile,
@@ -46,7 +47,6 @@ from qml_kernels.moe_routing import (
     moe_router_ref,
     padded_rows,
 )
-from qml_kernels import pdl
 from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 

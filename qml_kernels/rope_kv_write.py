@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qml_kernels.attention import kv_write_ref
 from qml_kernels import pdl
+from qml_kernels.attention import kv_write_ref
 from qml_kernels.registry import dispatch, register
 from qml_kernels.rope import rope_cos_sin, rope_inv_freq, rope_ref
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
