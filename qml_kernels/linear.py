@@ -20,6 +20,7 @@ Implementations, behind one dispatch:
 
 Which of cublas/triton/gemv runs on a GPU is measured, not guessed: ``qml_kernels/tuning/linear_<gpu>.json``
 names the faster verified one per (dtype, N, K, token bucket); unlisted shapes run cuBLAS.
+``QML_LINEAR_TABLE=path`` puts another table in its place for a whole process (an A/B of a sweep's table).
 On CPU the public ``linear`` runs torch's matmul unless an implementation is forced.
 
 Sources: the CUDA C++ programming guide (tensor memory access) and the PTX ISA (wgmma); the
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -234,11 +236,21 @@ def _committed_table(device_name: str) -> TuningTable | None:
     return find_table("linear", device_name, key_fields=_KEY_FIELDS, impls=_IMPLS, make_config=_make_config)
 
 
+@functools.cache
+def _env_table() -> TuningTable | None:
+    """``QML_LINEAR_TABLE=path``: a table that replaces the committed one on every device, in a whole
+    process (a server or an engine benchmark trying a sweep's table before it is committed)."""
+    path = os.environ.get("QML_LINEAR_TABLE")
+    return load_linear_table(path) if path else None
+
+
 @functools.lru_cache(maxsize=4096)
 def _tuned(device: torch.device, dtype: torch.dtype, bucket: int, N: int, K: int) -> TuningEntry | None:
     # runs once per (device, dtype, bucket, N, K): the per-call cost is this cache's lookup
     if _TABLE_OVERRIDE:
         table = _TABLE_OVERRIDE[-1]
+    elif _env_table() is not None:
+        table = _env_table()
     elif device.type == "cuda":
         table = _committed_table(torch.cuda.get_device_name(device))
     else:

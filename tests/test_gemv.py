@@ -89,6 +89,26 @@ def test_tuning_table_routes_decode_shapes_to_gemv(tmp_path):
     assert preferred_impl(torch.randn(1, 32, device=DEVICE).half(), w) == "cublas"  # not in a committed table
 
 
+def test_a_table_named_by_the_environment_replaces_the_committed_one(tmp_path, monkeypatch):
+    from qml_kernels import linear
+
+    table = tmp_path / "linear_try.json"
+    write_table(table, "linear", "H200", [{"dtype": "float16", "N": 64, "K": 32, "T": 1, "impl": "gemv",
+                                           "config": None}])
+    w, x = torch.randn(64, 32, device=DEVICE).half(), torch.randn(1, 32, device=DEVICE).half()
+    try:
+        monkeypatch.setenv("QML_LINEAR_TABLE", str(table))
+        linear._env_table.cache_clear()
+        linear._tuned.cache_clear()
+        assert preferred_impl(x, w) == "gemv"  # on any device, as the table says
+        assert preferred_impl(x[:, :16], w[:, :16]) == "cublas"  # a shape it does not list
+    finally:
+        monkeypatch.delenv("QML_LINEAR_TABLE")
+        linear._env_table.cache_clear()
+        linear._tuned.cache_clear()
+    assert preferred_impl(x, w) == "cublas"
+
+
 # -- compilation for the H200 (sm_90a) -------------------------------------------------------
 
 def _variant(T_pad: int, config: GemvConfig) -> dict:
