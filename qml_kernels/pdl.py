@@ -48,7 +48,6 @@ ISA, ``griddepcontrol`` and ``prefetch``; Triton's ``tl.extra.cuda.gdc_*`` and `
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -56,28 +55,27 @@ import triton
 import triton.language as tl
 
 ENABLED = os.environ.get("QML_PDL", "1") != "0"
+_ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}  # shared: launches only unpack them
+_by_device: dict[torch.device, bool] = {}  # asked at every launch (~900 in a Qwen3-MoE prefill): cached
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.cache
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def enabled(t: torch.Tensor) -> bool:
     """Whether launches for tensors on ``t``'s device use PDL."""
-    if not (ENABLED and t.is_cuda) or _interpreting():
-        return False
-    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    on = _by_device.get(t.device)
+    if on is None:
+        on = t.is_cuda and not _interpreting() and torch.cuda.get_device_capability(t.device)[0] >= 9
+        _by_device[t.device] = on
+    return ENABLED and on
 
 
 def launch_args(t: torch.Tensor) -> dict:
     """Keyword arguments for a launch of a kernel that takes a ``PDL`` constexpr: the constexpr,
     and Triton's launch option that sets the attribute when it is on."""
-    return {"PDL": True, "launch_pdl": True} if enabled(t) else {"PDL": False}
+    return _ON if enabled(t) else _OFF
 
 
 @triton.jit
