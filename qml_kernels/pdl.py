@@ -54,7 +54,14 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("QML_PDL", "1") != "0"
+# Triton's grid-dependency control (tl.extra.cuda.gdc_*, with the launch_pdl option beside it) is in 3.6 and
+# 3.9, the versions used here; a Triton without it launches everything without PDL
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    _TRITON_HAS_PDL = True
+except ImportError:
+    _TRITON_HAS_PDL = False
+ENABLED = _TRITON_HAS_PDL and os.environ.get("QML_PDL", "1") != "0"
 _ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}  # shared: launches only unpack them
 _by_device: dict[torch.device, bool] = {}  # asked at every launch (~900 in a Qwen3-MoE prefill): cached
 
