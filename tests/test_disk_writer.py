@@ -117,3 +117,63 @@ def test_writes_wait_while_a_restore_reads(tmp_path, monkeypatch):
     assert store.contains(_name(1)) and writer._reads == 2
     writer.close()
     store.close()
+
+
+def test_a_borrowed_row_detached_before_its_write_is_written_as_it_was(tmp_path):
+    # a kept page's write reads its host-tier row in place; when the row is about to take another page's
+    # bytes, detach gives the queued block its own copy: the file holds the old bytes, not the new ones
+    store = DiskStore(tmp_path, b"f" * 32, budget_bytes=2**20)
+    stats = SimpleNamespace(written_disk=0)
+    writer = DiskWriter(store, BLOCK, stats, threads=0)  # nothing written until a thread is started below
+    rows = torch.zeros(2, BLOCK, dtype=torch.uint8)
+    rows[0].fill_(5)
+    rows[1].fill_(6)
+    writer.put_block(_name(0), pack([0]), rows[0], None, None, borrowed=True)
+    writer.put_block(_name(1), pack([1]), rows[1], None, None, borrowed=True)
+    assert writer.pending_bytes == 2 * BLOCK and writer.queued(_name(0))
+    writer.detach(_name(0))
+    rows[0].fill_(9)  # the row takes another page
+    writer.detach(b"never handed over")  # nothing to do
+    thread = threading.Thread(target=writer._loop, daemon=True)
+    thread.start()
+    writer.join()
+    assert torch.equal(store.get(_name(0), [0]), torch.full((BLOCK,), 5, dtype=torch.uint8))
+    assert torch.equal(store.get(_name(1), [1]), rows[1])  # read in place
+    assert writer.pending_bytes == 0 and stats.written_disk == 2 and not writer._borrowed
+    writer.detach(_name(1))  # written: nothing left to detach
+    writer._queue.put(None)
+    thread.join(timeout=10)
+    store.close()
+
+
+def test_detaching_a_row_being_written_waits_for_the_write(tmp_path):
+    store = DiskStore(tmp_path, b"f" * 32, budget_bytes=2**20)
+    writer = DiskWriter(store, BLOCK, SimpleNamespace(written_disk=0), threads=1)
+    inside, release, put = threading.Event(), threading.Event(), store.put
+    order = []
+
+    def gated_put(name, *a):
+        inside.set()
+        release.wait(timeout=30)
+        ok = put(name, *a)
+        order.append("written")
+        return ok
+
+    store.put = gated_put
+    row = torch.full((BLOCK,), 3, dtype=torch.uint8)
+    writer.put_block(_name(0), pack([0]), row, None, None, borrowed=True)
+    assert inside.wait(timeout=30)  # the writer is reading the row now
+
+    def detach():
+        writer.detach(_name(0))
+        order.append("detached")
+
+    detacher = threading.Thread(target=detach)
+    detacher.start()
+    release.set()
+    detacher.join(timeout=30)
+    writer.join()
+    assert order == ["written", "detached"]  # the row was free again only after its write
+    assert torch.equal(store.get(_name(0), [0]), row)
+    writer.close()
+    store.close()

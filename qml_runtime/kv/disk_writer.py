@@ -9,7 +9,11 @@ Two kinds of work arrive (``KVTiers`` queues them):
   writer copies them through a pinned bounce buffer on its own stream (not behind the compute
   stream's work), then writes each page as a file. ``pending_bytes`` counts the staging still held,
   so the engine can skip a write-through when the disk falls behind.
-- ``put_block``: one host tensor the writer owns (a host-RAM entry evicted to make room).
+- ``put_block``: one host tensor the writer owns (a host-RAM entry evicted to make room), or, with
+  ``borrowed``, a row of the host tier itself (a kept page written through from its host copy, with
+  no device gather and no second copy down): the tier must not reuse the row before the write has
+  read it, and ``detach`` (the tier calls it when the row is about to take other bytes) turns a
+  borrowed block not yet written into an owned copy, or waits for the write that is reading it.
 
 A write is a cache fill: a failure is logged and never stops the writer.
 """
@@ -37,6 +41,16 @@ WRITER_THREADS = 4
 READS_FIRST_MAX_S = 2.0
 
 
+class _Block:
+    """One block for ``put_block``: ``data`` owned, or ``borrowed`` (a host-tier row) until written or detached."""
+
+    __slots__ = ("name", "tokens", "data", "parent", "ready", "borrowed", "writing")
+
+    def __init__(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None, ready, borrowed: bool):
+        self.name, self.tokens, self.data, self.parent, self.ready = name, tokens, data, parent, ready
+        self.borrowed, self.writing = borrowed, False
+
+
 class DiskWriter:
     def __init__(self, disk: DiskStore, block_bytes: int, stats, threads: int = WRITER_THREADS):
         """``stats``: the tiers' counters (``written_disk`` counts the blocks written)."""
@@ -48,6 +62,8 @@ class DiskWriter:
         # request that kept it (a conversation's history, kept again at each turn's end while the disk
         # is behind, was gathered on the device and queued again each time)
         self._queued: set[bytes] = set()
+        self._borrowed: dict[bytes, _Block] = {}  # blocks whose data is a host-tier row, until written or detached
+        self._block_done = threading.Condition(self._lock)  # a borrowed block's write ended
         self._reads = 0  # disk reads of restores in flight (``reads_started``/``reads_done``)
         self._reads_since = 0.0  # when the reads in flight began (monotonic), with none in between
         self._no_reads = threading.Condition(self._lock)
@@ -66,11 +82,34 @@ class DiskWriter:
             self._queued.update(name for name, _, _ in blocks)
         self._queue.put(("pages", staging, ready, blocks))
 
-    def put_block(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None, ready) -> None:
-        """One host tensor the writer owns from now on (valid once ``ready`` has passed)."""
+    def put_block(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None, ready,
+                  borrowed: bool = False) -> None:
+        """One host tensor the writer owns from now on (valid once ``ready`` has passed); ``borrowed``: a
+        host-tier row, read in place until ``detach``. Borrowed bytes count in ``pending_bytes``."""
+        block = _Block(name, tokens, data, parent, ready, borrowed)
         with self._lock:
             self._queued.add(name)
-        self._queue.put(("block", name, tokens, data, parent, ready))
+            if borrowed:
+                self._borrowed[name] = block
+                self.pending_bytes += data.numel()
+        self._queue.put(("block", block))
+
+    def detach(self, name: bytes) -> None:
+        """The host row that borrowed block ``name`` reads is about to take other bytes: a block not yet
+        being written gets its own copy of the row now; one being written is waited for."""
+        with self._lock:
+            block = self._borrowed.get(name)
+            while block is not None and block.writing:
+                self._block_done.wait()
+                block = self._borrowed.get(name)
+            if block is None:
+                return
+            if block.ready is not None:
+                block.ready.synchronize()  # the row's copy down has landed
+            block.data = block.data.clone()
+            block.borrowed = False
+            del self._borrowed[name]
+            self.pending_bytes -= block.data.numel()
 
     def reads_started(self) -> None:
         """A restore's reads begin: writes not yet begun wait for them (up to ``READS_FIRST_MAX_S`` after
@@ -110,16 +149,28 @@ class DiskWriter:
                 return
             try:
                 if item[0] == "block":
-                    _, name, tokens, data, parent, ready = item
-                    if ready is not None:
-                        ready.synchronize()
-                    self._write_one(name, tokens, data, parent)
+                    self._write_block(item[1])
                 else:
                     self._write_pages(*item[1:])
             except Exception:  # a write is a cache fill: log it, never stop the writer
                 log.exception("disk tier: a background write failed")
             finally:
                 self._queue.task_done()
+
+    def _write_block(self, block: _Block) -> None:
+        with self._lock:
+            block.writing = block.borrowed  # detach waits for it from now on
+        try:
+            if block.ready is not None:
+                block.ready.synchronize()
+            self._write_one(block.name, block.tokens, block.data, block.parent)
+        finally:
+            with self._lock:
+                if self._borrowed.get(block.name) is block:
+                    del self._borrowed[block.name]
+                    self.pending_bytes -= block.data.numel()
+                block.writing = False
+                self._block_done.notify_all()
 
     def _write_one(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None) -> None:
         # queued twice before the first landed: one write is enough (and counts once)

@@ -153,6 +153,12 @@ class KVTiers:
         self.pump_pages = max(1, PUMP_BYTES // self.block_bytes)
         # with no host tier: (page, name, packed tokens) spilled straight to disk, not yet gathered
         self._pending_disk: list[tuple[int, bytes, bytes]] = []
+        # kept pages written through from their host copy (``persist``): host slot -> (name, packed tokens,
+        # parent) until the copy into the slot is queued (``_hand_over``), then slot -> name while the
+        # writer may still read the row in place (``_reserve_host`` detaches it before the slot is reused)
+        self._host_writes: dict[int, tuple[bytes, bytes, bytes | None]] = {}
+        self._host_write_names: set[bytes] = set()
+        self._borrowed: dict[int, bytes] = {}
         # host slot -> the copy filling it (may still run). A slot filled again maps to the newer copy,
         # which runs after the older one on the same side stream, so waiting on it covers both.
         self._slot_events: dict[int, object] = {}
@@ -178,7 +184,7 @@ class KVTiers:
         if saving is not None:  # its copy down (pump) may be queued, not yet run
             self._wait_saved(*saving)
         if self.host is not None and self.host.capacity > 0:
-            if self._queue_host_copy(page, name, tokens):
+            if self._queue_host_copy(page, name, tokens) is not None:
                 self.stats.spilled_host += 1
             return
         if self.disk is not None and not self._on_disk(name):
@@ -197,21 +203,21 @@ class KVTiers:
             torch.cuda.current_stream(self.kv.data.device).wait_event(event)
             self._waited_seq = seq
 
-    def _queue_host_copy(self, page: int, name: bytes, tokens: bytes, defer: bool = False) -> bool:
+    def _queue_host_copy(self, page: int, name: bytes, tokens: bytes, defer: bool = False) -> int | None:
         """Reserve a host slot for ``page`` (named ``name``) and queue its copy down for the next
-        ``flush_spills`` (``defer``: for ``pump``); False when the name is in host RAM already or
-        no slot is free."""
+        ``flush_spills`` (``defer``: for ``pump``) -> the slot; None when the name is in host RAM
+        already or no slot is free."""
         # the usual case first, in one call: the page is in host RAM already (kept when its request ended;
         # a turn that restores a 27k-token history evicts ~1,700 such pages, and keeps as many at its end)
         if self.host.touch(name):
-            return False
+            return None
         slot = self._reserve_host(name, tokens)
         if slot is not None and defer:
             self._deferred[page] = slot
             self._deferred_slots[slot] = page
         elif slot is not None:
             self._pending.append(page, slot)
-        return slot is not None
+        return slot
 
     def _undefer(self, page: int) -> int:
         slot = self._deferred.pop(page)
@@ -277,6 +283,7 @@ class KVTiers:
             index = index.to(dev, non_blocking=self._cuda)
             page_save(table, index[1], pool, index[0], config=PageCopyConfig(num_programs=SAVE_PROGRAMS))
         if not self._cuda:  # (tests: the reference has copied already)
+            self._hand_over([s for _, s in batch], None)
             return
         done = torch.cuda.Event()
         done.record(self._copy_stream)
@@ -293,18 +300,26 @@ class KVTiers:
             self._slot_events[slot] = done
             self._saving[page] = (self._save_seq, done)
         self._pump_done = done
+        self._hand_over([s for _, s in batch], done)
 
     def _reserve_host(self, name: bytes, tokens: bytes) -> int | None:
         """A host slot for ``name``; what it evicts goes to disk first."""
         slot, evicted = self.host.reserve(name, tokens)
         for old_name, old_tokens, old_slot in evicted:
+            parent = None
+            waiting = self._host_writes.pop(old_slot, None)
+            if waiting is not None:  # its write through was waiting for the copy: it goes from a copy below
+                self._host_write_names.discard(waiting[0])
+                parent = waiting[2]
             if self.disk is None or self._on_disk(old_name):
                 if old_slot in self._deferred_slots:  # its copy down is moot now: the slot changes hands
                     self._undefer(self._deferred_slots[old_slot])
                 continue  # nothing to write: the slot simply takes the new page
             self._settle_slot(old_slot)  # its bytes must have landed before the CPU reads them
             # a copy: the slot is about to take the new page
-            self._queue_disk_write(old_name, old_tokens, self.host.slots[old_slot].clone(), None, None)
+            self._queue_disk_write(old_name, old_tokens, self.host.slots[old_slot].clone(), parent, None)
+        if slot is not None and slot in self._borrowed:  # the writer may still read its old bytes in place
+            self._writer.detach(self._borrowed.pop(slot))
         return slot
 
     def _settle_slot(self, slot: int) -> None:
@@ -369,6 +384,7 @@ class KVTiers:
                     self._slot_events = {s: e for s, e in self._slot_events.items() if not e.query()}
                 for _, s in batch:
                     self._slot_events[s] = done
+            self._hand_over([s for _, s in batch], done)
 
     def persist(self, pages: list[tuple[int, bytes, bytes, bytes | None]]) -> None:
         """Keep a finished request's named pages (page, name, packed tokens, parent name): copied to host RAM
@@ -380,26 +396,55 @@ class KVTiers:
         restores its history (and evicts as many pages to make room) moves KV in one direction
         only. On the H200 a 3.5 GB restore beside 3.5 GB of spills took 104 ms against 70 alone
         (benchmarks/kv_upload_h200.py), and the turn waited on both. A page evicted before ``pump``
-        reached it is copied as a spill."""
+        reached it is copied as a spill.
+
+        A page given a host slot here is written through from that slot: handed to the disk writer
+        once its copy down is queued (``_hand_over``), and read there in place. Only pages with no
+        new slot are gathered on the device for the writer, which copies them down a second time."""
+        skipped: set[bytes] = set()
         if self.host is not None and self.host.capacity > 0:
-            for page, name, tokens, _ in pages:
+            for page, name, tokens, parent in pages:
                 # (a page already there: its recency refreshed)
-                if self._queue_host_copy(page, name, tokens, defer=self.defer_persist):
-                    self.stats.kept_host += 1
+                slot = self._queue_host_copy(page, name, tokens, defer=self.defer_persist)
+                if slot is None:
+                    continue
+                self.stats.kept_host += 1
+                if self.disk is not None and not self._on_disk(name):
+                    # registered now, before a later page of this call can evict it (``_reserve_host``)
+                    if self.pending_write_bytes + self.block_bytes > MAX_PENDING_WRITE_BYTES:
+                        skipped.add(name)
+                    else:
+                        self._host_writes[slot] = (name, tokens, parent)
+                        self._host_write_names.add(name)
             if not self.defer_persist:
-                self.flush_spills()
+                self.flush_spills()  # (and the writes waiting for these copies are handed over)
         if self.disk is None:
             return
-        todo = [(p, n, t, parent) for p, n, t, parent in pages if not self._on_disk(n)]
+        # what has no new host slot (or no host tier) is gathered on the device for the writer
+        todo = [(p, n, t, parent) for p, n, t, parent in pages if n not in skipped and not self._on_disk(n)]
         for i in range(0, len(todo), MAX_BATCH_PAGES):
             chunk = todo[i:i + MAX_BATCH_PAGES]
             if self.pending_write_bytes + len(chunk) * self.block_bytes > MAX_PENDING_WRITE_BYTES:
-                # the disk is behind: a cache may drop what it cannot keep up with
-                self.stats.persist_skipped += len(todo) - i
-                log.warning("disk writer behind by %.1f GiB: %d pages not written through",
-                            self.pending_write_bytes / 2**30, len(todo) - i)
-                return
+                skipped.update(n for _, n, _, _ in todo[i:])
+                break
             self._write_through([p for p, _, _, _ in chunk], [(n, t, parent) for _, n, t, parent in chunk])
+        if skipped:  # the disk is behind: a cache may drop what it cannot keep up with
+            self.stats.persist_skipped += len(skipped)
+            log.warning("disk writer behind by %.1f GiB: %d pages not written through",
+                        self.pending_write_bytes / 2**30, len(skipped))
+
+    def _hand_over(self, slots: list[int], ready) -> None:
+        """Copies into host ``slots`` are queued (complete once ``ready`` has passed; None: done): the
+        kept pages waiting for them go to the disk writer, which reads the rows in place."""
+        if not self._host_writes:
+            return
+        for slot in slots:
+            block = self._host_writes.pop(slot, None)
+            if block is not None:
+                name, tokens, parent = block
+                self._host_write_names.discard(name)
+                self._borrowed[slot] = name
+                self._writer.put_block(name, tokens, self.host.slots[slot], parent, ready, borrowed=True)
 
     def _write_through(self, pages: list[int], blocks: list[tuple[bytes, bytes, bytes | None]]) -> None:
         """Gather pages on the device now (they may be reused by the next step) and hand the buffer
@@ -413,8 +458,11 @@ class KVTiers:
 
     @property
     def pending_write_bytes(self) -> int:
-        """Gathered pages handed to the disk writer and not yet written."""
-        return self._writer.pending_bytes if self._writer is not None else 0
+        """Pages handed to the disk writer and not yet written (gathered, or read from their host rows),
+        and those waiting for their host copy before they go."""
+        if self._writer is None:
+            return 0
+        return self._writer.pending_bytes + len(self._host_writes) * self.block_bytes
 
     def _gather(self, pages: list[int], settle: bool = True) -> torch.Tensor:
         self._observe_uploads()
@@ -447,11 +495,14 @@ class KVTiers:
         if self.disk is not None and not self._on_disk(name):
             self._writer.put_block(name, tokens, data, parent, ready)
 
-    def _on_disk(self, name: bytes) -> bool:  # or handed to the writer already
-        return self.disk.contains(name) or self._writer.queued(name)
+    def _on_disk(self, name: bytes) -> bool:  # or handed to the writer already, or waiting for its host copy
+        return self.disk.contains(name) or name in self._host_write_names or self._writer.queued(name)
 
     def flush(self) -> None:
-        """Wait for queued disk writes (shutdown, tests)."""
+        """Wait for queued disk writes (shutdown, tests); kept pages whose write waits for their host copy
+        have it queued now."""
+        if self._host_writes:
+            self._copy_deferred_now([s for s in list(self._deferred_slots) if s in self._host_writes])
         self.flush_spills()
         if self._writer is not None:
             self._writer.join()
