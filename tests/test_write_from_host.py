@@ -1,5 +1,5 @@
 """A finished request's kept pages are written through to disk from their host-RAM copies
-(``KVTiers.persist`` -> ``_hand_over`` -> the writer reads the pinned row in place): no device gather
+(``KVTiers.persist`` -> ``HostWrites.hand_over`` -> the writer reads the pinned row in place): no device gather
 and no second copy down for them, and a host row is never given other bytes while a queued write
 still reads it (``DiskWriter.detach``)."""
 
@@ -57,7 +57,7 @@ def test_kept_pages_are_written_from_their_host_rows_without_a_device_gather(tmp
         tiers.pump()  # one chunk: its two pages go to the writer
         assert len(tiers._host_writes) == 3
     tiers.flush()  # the rest of the copies queued, every write done
-    assert not tiers._host_writes and not tiers._host_write_names
+    assert not tiers._host_writes and not tiers._host_writes._waiting_names
     for p in pages:
         assert torch.equal(_on_disk(tiers, p), want[p]), f"page {p}"
     assert tiers.stats.written_disk == 5 and tiers.pending_write_bytes == 0
@@ -84,9 +84,9 @@ def test_a_host_row_reused_while_its_write_is_queued_keeps_the_old_bytes_for_the
     writer = _stalled_writer(tiers)
     want = {p: _page(tiers, p) for p in (3, 4)}
     tiers.persist(_kept([3]))
-    assert writer.queued(b"name0003" * 4) and tiers._borrowed  # handed over, reading the row in place
+    assert writer.queued(b"name0003" * 4) and tiers._host_writes._borrowed  # handed over, reading the row in place
     tiers.persist(_kept([4]))  # evicts page 3's entry: the row takes page 4's bytes
-    assert torch.equal(tiers.host.slots[0], want[4]) and tiers._borrowed == {0: b"name0004" * 4}
+    assert torch.equal(tiers.host.slots[0], want[4]) and tiers._host_writes._borrowed == {0: b"name0004" * 4}
     _run(writer)
     tiers._writer = DiskWriter(tiers.disk, tiers.block_bytes, tiers.stats)  # for close()
     for p in (3, 4):
@@ -104,11 +104,11 @@ def test_a_kept_page_evicted_before_its_host_copy_is_written_from_a_copy(tmp_pat
     tiers.persist(_kept([3]))
     assert tiers._host_writes and not tiers._writer.queued(b"name0003" * 4)
     tiers.persist(_kept([4]))
-    assert list(tiers._host_writes.values())[0][0] == b"name0004" * 4  # page 3's registration went with it
+    assert list(tiers._host_writes._waiting.values())[0][0] == b"name0004" * 4  # page 3's registration went with it
     tiers.flush()
     for p in (3, 4):
         assert torch.equal(_on_disk(tiers, p), want[p]), f"page {p}"
-    assert not tiers._host_write_names
+    assert not tiers._host_writes._waiting_names
     tiers.close()
 
 
@@ -120,5 +120,5 @@ def test_a_writer_too_far_behind_takes_no_host_writes(tmp_path, monkeypatch):
     tiers.persist(_kept([1, 2]))
     tiers.flush()
     assert tiers.stats.persist_skipped == 2 and tiers.stats.kept_host == 2 and len(tiers.disk) == 0
-    assert not tiers._host_writes and not tiers._host_write_names
+    assert not tiers._host_writes and not tiers._host_writes._waiting_names
     tiers.close()

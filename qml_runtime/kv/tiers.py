@@ -53,6 +53,7 @@ from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.disk_store import DiskStore
 from qml_runtime.kv.disk_writer import DiskWriter
 from qml_runtime.kv.host_tier import HostTier
+from qml_runtime.kv.host_writes import HostWrites
 from qml_runtime.kv.planner import Plan, RestorePlanner
 from qml_runtime.kv.planner_rates import load_rates, needs_probe, probe_disk, save_rates
 from qml_runtime.kv.prefix import unpack
@@ -153,12 +154,7 @@ class KVTiers:
         self.pump_pages = max(1, PUMP_BYTES // self.block_bytes)
         # with no host tier: (page, name, packed tokens) spilled straight to disk, not yet gathered
         self._pending_disk: list[tuple[int, bytes, bytes]] = []
-        # kept pages written through from their host copy (``persist``): host slot -> (name, packed tokens,
-        # parent) until the copy into the slot is queued (``_hand_over``), then slot -> name while the
-        # writer may still read the row in place (``_reserve_host`` detaches it before the slot is reused)
-        self._host_writes: dict[int, tuple[bytes, bytes, bytes | None]] = {}
-        self._host_write_names: set[bytes] = set()
-        self._borrowed: dict[int, bytes] = {}
+        self._host_writes = HostWrites()  # kept pages written through from their host copy (``persist``)
         # host slot -> the copy filling it (may still run). A slot filled again maps to the newer copy,
         # which runs after the older one on the same side stream, so waiting on it covers both.
         self._slot_events: dict[int, object] = {}
@@ -283,7 +279,7 @@ class KVTiers:
             index = index.to(dev, non_blocking=self._cuda)
             page_save(table, index[1], pool, index[0], config=PageCopyConfig(num_programs=SAVE_PROGRAMS))
         if not self._cuda:  # (tests: the reference has copied already)
-            self._hand_over([s for _, s in batch], None)
+            self._host_writes.hand_over([s for _, s in batch], None, self.host.slots, self._writer)
             return
         done = torch.cuda.Event()
         done.record(self._copy_stream)
@@ -300,17 +296,14 @@ class KVTiers:
             self._slot_events[slot] = done
             self._saving[page] = (self._save_seq, done)
         self._pump_done = done
-        self._hand_over([s for _, s in batch], done)
+        self._host_writes.hand_over([s for _, s in batch], done, self.host.slots, self._writer)
 
     def _reserve_host(self, name: bytes, tokens: bytes) -> int | None:
         """A host slot for ``name``; what it evicts goes to disk first."""
         slot, evicted = self.host.reserve(name, tokens)
         for old_name, old_tokens, old_slot in evicted:
-            parent = None
-            waiting = self._host_writes.pop(old_slot, None)
-            if waiting is not None:  # its write through was waiting for the copy: it goes from a copy below
-                self._host_write_names.discard(waiting[0])
-                parent = waiting[2]
+            # a write through waiting for its copy: the entry goes from a copy below (not on disk, not queued)
+            _, parent = self._host_writes.evicted(old_slot)
             if self.disk is None or self._on_disk(old_name):
                 if old_slot in self._deferred_slots:  # its copy down is moot now: the slot changes hands
                     self._undefer(self._deferred_slots[old_slot])
@@ -318,8 +311,8 @@ class KVTiers:
             self._settle_slot(old_slot)  # its bytes must have landed before the CPU reads them
             # a copy: the slot is about to take the new page
             self._queue_disk_write(old_name, old_tokens, self.host.slots[old_slot].clone(), parent, None)
-        if slot is not None and slot in self._borrowed:  # the writer may still read its old bytes in place
-            self._writer.detach(self._borrowed.pop(slot))
+        if slot is not None:  # the writer may still read its old bytes in place
+            self._host_writes.reusing(slot, self._writer)
         return slot
 
     def _settle_slot(self, slot: int) -> None:
@@ -384,7 +377,7 @@ class KVTiers:
                     self._slot_events = {s: e for s, e in self._slot_events.items() if not e.query()}
                 for _, s in batch:
                     self._slot_events[s] = done
-            self._hand_over([s for _, s in batch], done)
+            self._host_writes.hand_over([s for _, s in batch], done, self.host.slots, self._writer)
 
     def persist(self, pages: list[tuple[int, bytes, bytes, bytes | None]]) -> None:
         """Keep a finished request's named pages (page, name, packed tokens, parent name): copied to host RAM
@@ -399,7 +392,7 @@ class KVTiers:
         reached it is copied as a spill.
 
         A page given a host slot here is written through from that slot: handed to the disk writer
-        once its copy down is queued (``_hand_over``), and read there in place. Only pages with no
+        once its copy down is queued (``qml_runtime.kv.host_writes``), and read there in place. Only pages with no
         new slot are gathered on the device for the writer, which copies them down a second time."""
         skipped: set[bytes] = set()
         if self.host is not None and self.host.capacity > 0:
@@ -414,8 +407,7 @@ class KVTiers:
                     if self.pending_write_bytes + self.block_bytes > MAX_PENDING_WRITE_BYTES:
                         skipped.add(name)
                     else:
-                        self._host_writes[slot] = (name, tokens, parent)
-                        self._host_write_names.add(name)
+                        self._host_writes.register(slot, name, tokens, parent)
             if not self.defer_persist:
                 self.flush_spills()  # (and the writes waiting for these copies are handed over)
         if self.disk is None:
@@ -432,19 +424,6 @@ class KVTiers:
             self.stats.persist_skipped += len(skipped)
             log.warning("disk writer behind by %.1f GiB: %d pages not written through",
                         self.pending_write_bytes / 2**30, len(skipped))
-
-    def _hand_over(self, slots: list[int], ready) -> None:
-        """Copies into host ``slots`` are queued (complete once ``ready`` has passed; None: done): the
-        kept pages waiting for them go to the disk writer, which reads the rows in place."""
-        if not self._host_writes:
-            return
-        for slot in slots:
-            block = self._host_writes.pop(slot, None)
-            if block is not None:
-                name, tokens, parent = block
-                self._host_write_names.discard(name)
-                self._borrowed[slot] = name
-                self._writer.put_block(name, tokens, self.host.slots[slot], parent, ready, borrowed=True)
 
     def _write_through(self, pages: list[int], blocks: list[tuple[bytes, bytes, bytes | None]]) -> None:
         """Gather pages on the device now (they may be reused by the next step) and hand the buffer
@@ -496,13 +475,14 @@ class KVTiers:
             self._writer.put_block(name, tokens, data, parent, ready)
 
     def _on_disk(self, name: bytes) -> bool:  # or handed to the writer already, or waiting for its host copy
-        return self.disk.contains(name) or name in self._host_write_names or self._writer.queued(name)
+        return self.disk.contains(name) or name in self._host_writes or self._writer.queued(name)
 
     def flush(self) -> None:
         """Wait for queued disk writes (shutdown, tests); kept pages whose write waits for their host copy
         have it queued now."""
         if self._host_writes:
-            self._copy_deferred_now([s for s in list(self._deferred_slots) if s in self._host_writes])
+            waiting = self._host_writes.waiting_slots()
+            self._copy_deferred_now([s for s in list(self._deferred_slots) if s in waiting])
         self.flush_spills()
         if self._writer is not None:
             self._writer.join()
