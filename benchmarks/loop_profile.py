@@ -168,6 +168,11 @@ def device_timeline(prof, path: Path, bin_ms: float = 5.0, marker: str | None = 
     for i, row in enumerate(bins):
         lines.append(f"{i * bin_ms:7.1f} | {launches[i]:4d} | "
                      + " | ".join(f"{row.get(k, 0) / 1e3:5.2f}" for k in keys))
+    # the last device events by name: what the turn's end waited for after the bulk of its work
+    lines.append("the last 30 device events: start ms, ms, stream, name")
+    for e in sorted(events, key=lambda e: float(e["ts"]))[-30:]:
+        lines.append(f"  {(float(e['ts']) - t0) / 1e3:8.2f} {float(e.get('dur', 0)) / 1e3:7.3f} "
+                     f"{e.get('args', {}).get('stream', '?')} {e.get('name', '')[:90]}")
     slow = [e for e in runtime if float(e.get("dur", 0)) >= 300]
     lines.append(f"runtime calls of 0.3 ms or more after t0 ({len(slow)}): start ms, ms, name, thread")
     for e in slow[:40]:

@@ -8,7 +8,6 @@ compares outputs (a race shows as a wrong token only sometimes); this checks the
 
 from __future__ import annotations
 
-import re
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from qml_kernels.activations import _gated_activation_kernel
 from qml_kernels.moe_gemm import _moe_gemm_kernel
 from qml_kernels.rmsnorm import _rmsnorm_kernel
 from qml_kernels.sampling import _sample_kernel
-from qml_kernels.workbench.compile import compile_checks_by_name
+from qml_kernels.workbench.compile import compile_checks_by_name, grid_dependency_order
 from tests import (
     test_activations_triton,
     test_attention_decode_triton,
@@ -51,10 +50,6 @@ def _requests() -> dict[str, dict]:
 
 
 REQUESTS = _requests()
-# global memory traffic that must wait
-_GLOBAL_ACCESS = re.compile(r"^\s*(?:@%p\d+\s+)?(ld\.global|st\.global|cp\.async\.(?!wait|commit)|atom\.|red\.)",
-                            re.MULTILINE)
-
 
 @pytest.fixture(scope="module")
 def reports() -> dict:
@@ -76,13 +71,10 @@ def test_every_decode_kernel_is_covered():
 def test_waits_before_any_global_access(reports, name):
     report = reports[name]
     assert report.ok, report.error
-    ptx = report.ptx
-    wait = ptx.find("griddepcontrol.wait")
-    release = ptx.find("griddepcontrol.launch_dependents")
-    assert wait >= 0 and release > wait, f"{name}: the wait, then the release of the next kernel"
-    first = _GLOBAL_ACCESS.search(ptx)
-    assert first is None or first.start() > wait, \
-        f"{name}: '{first.group(1)}' before griddepcontrol.wait: it would race with the kernel before"
+    order = grid_dependency_order(report.ptx)
+    assert order.wait >= 0 and order.release > order.wait, f"{name}: the wait, then the release of the next kernel"
+    assert order.safe, \
+        f"{name}: '{order.first_access_op}' before griddepcontrol.wait: it would race with the kernel before"
 
 
 def test_off_means_no_grid_dependency_instructions(reports):
@@ -95,3 +87,17 @@ def test_launch_args_off_on_cpu_and_when_disabled(monkeypatch):
     assert pdl.launch_args(x) == {"PDL": False}
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert pdl.launch_args(x) == {"PDL": False} and not pdl.enabled(x)
+
+
+@pytest.mark.parametrize("body, safe, op", [
+    ("griddepcontrol.wait;\ngriddepcontrol.launch_dependents;\n\tld.global.b32 %r1, [%rd1];", True, "ld.global"),
+    ("\t@%p1 ld.global.b32 %r1, [%rd1];\ngriddepcontrol.wait;\ngriddepcontrol.launch_dependents;", False, "ld.global"),
+    ("\tatom.global.add.u32 %r1, [%rd1], 1;\ngriddepcontrol.wait;\ngriddepcontrol.launch_dependents;", False, "atom."),
+    ("\tcp.async.commit_group;\ngriddepcontrol.wait;\ngriddepcontrol.launch_dependents;", True, None),
+    ("griddepcontrol.launch_dependents;\ngriddepcontrol.wait;", False, None),
+    ("\tld.global.b32 %r1, [%rd1];", False, "ld.global"),
+])
+def test_grid_dependency_order_reads_the_ptx(body, safe, op):
+    # the check the kernels above pass, on PTX written to break it (and its commit/wait exemptions)
+    order = grid_dependency_order(".target sm_90a\n" + body)
+    assert order.safe is safe and order.first_access_op == op

@@ -160,6 +160,37 @@ def assert_compiled_for_hopper(report: CompileReport, name: str) -> CompileRepor
     return report
 
 
+# global memory traffic a kernel launched early (programmatic dependent launch) must not start before
+# griddepcontrol.wait: loads, stores, async copies and atomics, predicated or not
+_GLOBAL_ACCESS = re.compile(r"^\s*(?:@%p\d+\s+)?(ld\.global|st\.global|cp\.async\.(?!wait|commit)|atom\.|red\.)",
+                            re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class GridDependencyOrder:
+    """Where a kernel's PTX waits for the kernel before it and releases the one after (offsets in
+    the PTX text, -1 when absent), and its first global memory access (None: it has none)."""
+
+    wait: int
+    release: int
+    first_access: int | None
+    first_access_op: str | None
+
+    @property
+    def safe(self) -> bool:
+        """It waits, releases after the wait, and touches global memory only after the wait."""
+        return self.wait >= 0 and self.release > self.wait and (
+            self.first_access is None or self.first_access > self.wait)
+
+
+def grid_dependency_order(ptx: str) -> GridDependencyOrder:
+    """The order of ``griddepcontrol.wait``, ``griddepcontrol.launch_dependents`` and the first global
+    access in ``ptx`` (docs/kernels.md's PDL rule; the tests and notebook 10 check it)."""
+    first = _GLOBAL_ACCESS.search(ptx)
+    return GridDependencyOrder(ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"),
+                               None if first is None else first.start(), None if first is None else first.group(1))
+
+
 def compile_check(kernel, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4,
                   num_stages: int = 3, arch: int = 90, aligned: bool = True,
                   divisible: tuple[str, ...] = ()) -> CompileReport:
