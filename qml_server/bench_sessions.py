@@ -73,6 +73,10 @@ PHASES = ("gpu", "evict")
 RESTORED = "qml:kv_restored_blocks_total"
 REUSED_REPLY_IDS = "qml:kept_reply_reused_tokens_total"  # prompt ids taken from kept replies (qml_server.replies)
 RECOMPUTED = "qml:kv_recomputed_blocks_total"
+# the server's own view of a turn: its time to first token, and the part of it the request waited in the
+# engine before its first scheduling (the engine busy with the work of an earlier request)
+SERVER_TTFT = "qml:time_to_first_token_seconds_sum"
+QUEUE_TIME = "qml:request_queue_time_seconds_sum"
 CALIBRATION_CHARS = 2000
 
 
@@ -119,7 +123,8 @@ def _counters(metrics: dict | None) -> dict[str, float] | None:
     return {"host": metric_sum(metrics, RESTORED, tier="host") or 0.0,
             "disk": metric_sum(metrics, RESTORED, tier="disk") or 0.0,
             "recomputed": metric_sum(metrics, RECOMPUTED) or 0.0,
-            "reply_ids": metric_sum(metrics, REUSED_REPLY_IDS) or 0.0}
+            "reply_ids": metric_sum(metrics, REUSED_REPLY_IDS) or 0.0,
+            "server_ttft": metric_sum(metrics, SERVER_TTFT) or 0.0, "queue": metric_sum(metrics, QUEUE_TIME) or 0.0}
 
 
 def run_sessions(base_url: str, api_key: str | None = None, model: str | None = None, users: int | None = None,
@@ -199,9 +204,8 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
             run = client.stream(conv.messages, max_tokens=reply_tokens, ignore_eos=True, cache_salt=conv.salt,
                                 headers={"x-session-id": conv.id} if session_ids else None)
             after = _counters(client.scrape_metrics())
-            delta = None if before is None or after is None else \
-                {k: round(after[k] - before[k]) for k in after}
-            restored = None if delta is None else {"host": delta["host"], "disk": delta["disk"]}
+            delta = None if before is None or after is None else {k: after[k] - before[k] for k in after}
+            restored = None if delta is None else {"host": round(delta["host"]), "disk": round(delta["disk"])}
             record: dict[str, Any] = {
                 "user": conv.id, "turn": turn, "prompt_tokens": run.prompt_tokens,
                 "cached_tokens": run.cached_tokens, "completion_tokens": run.completion_tokens,
@@ -209,8 +213,11 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
                 "ms_per_token": round(run.decode_s * 1e3 / (run.completion_tokens - 1), 4)
                 if run.completion_tokens > 1 else None,
                 "restored_blocks": restored,
-                "recomputed_disk_blocks": None if delta is None else delta["recomputed"],
-                "kept_reply_ids": None if delta is None else delta["reply_ids"],
+                "recomputed_disk_blocks": None if delta is None else round(delta["recomputed"]),
+                "kept_reply_ids": None if delta is None else round(delta["reply_ids"]),
+                # the server's TTFT (from the request reaching it) and its wait for the engine's first scheduling
+                "server_ttft_ms": None if delta is None else round(delta["server_ttft"] * 1e3, 3),
+                "queue_ms": None if delta is None else round(delta["queue"] * 1e3, 3),
                 "where": where_from(turn, run.cached_tokens, restored),
                 "fresh_ttft_ms": None, "fresh_prompt_tokens": None, "fresh_cached_tokens": None,
             }
@@ -223,6 +230,8 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
             records.append(record)
             progress(f"  {conv.id} turn {turn}: {run.prompt_tokens} prompt tokens, {run.cached_tokens} cached "
                      f"({record['where']}), TTFT {record['ttft_ms']:.1f} ms"
+                     + (f" (server {record['server_ttft_ms']:.1f}, queued {record['queue_ms']:.1f})"
+                        if record["server_ttft_ms"] is not None else "")
                      + (f", fresh prefill {record['fresh_ttft_ms']:.1f} ms" if fresh else ""))
             if run.completion_tokens != reply_tokens:
                 notes.append(f"{conv.id} turn {turn}: the reply stopped after {run.completion_tokens} of "
@@ -288,6 +297,8 @@ def by_turn(records: list[dict]) -> list[dict]:
             "where": dict(collections.Counter(r["where"] for r in rs)),
             "restored_blocks": {t: sum(x[t] for x in restored) for t in ("host", "disk")} if restored else None,
             "recomputed_disk_blocks": sum(r["recomputed_disk_blocks"] or 0 for r in rs),
+            "server_ttft_ms": _median([r.get("server_ttft_ms") for r in rs]),
+            "queue_ms": _median([r.get("queue_ms") for r in rs]),
         })
     return rows
 
@@ -307,8 +318,9 @@ def markdown(result: dict) -> str:
              + f"; {s['users']} conversations, ~{s['turn_tokens']}-token turns, {s['reply_tokens']}-token replies",
              "",
              ("| turn | prompt tokens | cached tokens | TTFT (ms) | fresh-prefill TTFT (ms) | fresh / TTFT | "
-              "where restored | restored pages host / disk | computed tokens | ids from kept replies |"),
-             "|---:|---:|---:|---:|---:|---:|:---|---:|---:|---:|"]
+              "where restored | restored pages host / disk | computed tokens | ids from kept replies | "
+              "server TTFT (ms) | of it queued (ms) |"),
+             "|---:|---:|---:|---:|---:|---:|:---|---:|---:|---:|---:|---:|"]
     for row in result["by_turn"]:
         where = ", ".join(f"{k} ×{v}" for k, v in sorted(row["where"].items()))
         rb = row["restored_blocks"]
@@ -316,7 +328,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {row['turn']} | {num(row['prompt_tokens'], '{:.0f}')} | {num(row['cached_tokens'], '{:.0f}')} "
                      f"| {num(row['ttft_ms'])} | {num(row['fresh_ttft_ms'])} | {num(row['speedup'], '{:.2f}x')} "
                      f"| {where} | {pages} | {num(row['computed_tokens'], '{:.0f}')} "
-                     f"| {num(row['kept_reply_ids'], '{:.0f}')} |")
+                     f"| {num(row['kept_reply_ids'], '{:.0f}')} | {num(row.get('server_ttft_ms'))} "
+                     f"| {num(row.get('queue_ms'))} |")
     lines += ["", "(medians over the conversations of each turn)"]
     if result["notes"]:
         lines += ["", *(f"note: {n}" for n in result["notes"])]

@@ -41,6 +41,9 @@ def test_sessions_history_stays_on_the_gpu(server, tmp_path, capsys):
         assert r["fresh_cached_tokens"] == 0
         assert abs(r["fresh_prompt_tokens"] - r["prompt_tokens"]) <= 2 * 8 * (r["turn"] - 1)
         assert r["restored_blocks"] == {"host": 0, "disk": 0} and r["recomputed_disk_blocks"] == 0
+        # the server's side of the same turn: its TTFT (from the request's arrival) within the client's, and
+        # the engine's wait before scheduling it within that
+        assert 0 < r["server_ttft_ms"] <= r["ttft_ms"] and 0 <= r["queue_ms"] <= r["server_ttft_ms"]
         if r["turn"] == 1:
             assert r["cached_tokens"] == 0 and r["where"] == "new" and r["kept_reply_ids"] == 0
         else:
