@@ -80,24 +80,29 @@ def section_hostturn(args, device) -> None:
         backlog = _backlog(engine)  # when the turn arrives
         if timers is not None:
             timers.mark()
-        if args.sample_stacks and i == 0:  # the first turn after the burst: where the engine thread was
-            from loop_profile import StackSampler
+        if (args.sample_stacks or timeline is not None) and i == 0:
+            # the first turn after the burst: where the engine thread was (stacks) and what the device did
+            # (timeline); both at once when both are asked for (the sampler's thread then shares the GIL)
+            sampler = None
+            if args.sample_stacks:
+                from loop_profile import StackSampler
 
-            sampler = StackSampler(engine._thread.ident)
-            sampler.start()
+                sampler = StackSampler(engine._thread.ident)
+                sampler.start()
+            if timeline is not None:
+                with torch.profiler.record_function("turn-submit"):
+                    pass
             t = _timed_request(engine, hist, one)[0] * 1e3
-            sampler.stop()
-            text = sampler.summary()
-            (args.out / "hostturn-turn1-stacks.txt").write_text(text)
-            print(text[:9000], flush=True)
-        elif timeline is not None:
-            with torch.profiler.record_function("turn-submit"):
-                pass
-            t = _timed_request(engine, hist, one)[0] * 1e3
-            timeline.__exit__(None, None, None)
-            text = device_timeline(timeline, args.out / "hostturn-turn1-trace.json", marker="turn-submit")
-            (args.out / "hostturn-turn1-timeline.txt").write_text(text)
-            print(text[:8000], flush=True)
+            if sampler is not None:
+                sampler.stop()
+                text = sampler.summary()
+                (args.out / "hostturn-turn1-stacks.txt").write_text(text)
+                print(text[:9000], flush=True)
+            if timeline is not None:
+                timeline.__exit__(None, None, None)
+                text = device_timeline(timeline, args.out / "hostturn-turn1-trace.json", marker="turn-submit")
+                (args.out / "hostturn-turn1-timeline.txt").write_text(text)
+                print(text[:8000], flush=True)
         elif i == 0 and turn_prof is not None:  # the first turn after the burst: where its host time goes
             with turn_prof.turn():
                 t = _timed_request(engine, hist, one)[0] * 1e3
