@@ -56,6 +56,41 @@ def test_a_request_that_arrives_meanwhile_goes_before_the_last_ones_pages(engine
         eng.shutdown()
 
 
+def test_while_idle_a_new_request_waits_for_one_small_chunk(engine, monkeypatch):
+    """Idle, the loop hands pages over ``PERSIST_IDLE_CHUNK`` at a time (smaller than after a step) and
+    checks the inbox between chunks: a turn that arrives meanwhile waits for the chunk in hand only."""
+    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)  # after a step: one page
+    monkeypatch.setattr(engine_module, "PERSIST_IDLE_CHUNK", 2)
+    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)
+    eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
+    calls, b_out = [], []
+    persist = eng.tiers.persist
+
+    def persist_and_meet_a_request(pages):
+        calls.append(len(pages))
+        if len(calls) == 1:  # B arrives while the first idle chunk is being handed over
+            eng.submit(_prompt(eng, "Hello"), ONE, b_out.append)
+        return persist(pages)
+
+    try:
+        a_out = []
+        eng.submit(_prompt(eng, "Count with me: " + " ".join(str(i) for i in range(30))), ONE, a_out.append)
+        _drive(eng, a_out, lambda: a_out and a_out[-1].finished)
+        eng.tiers.persist = persist_and_meet_a_request
+        calls.clear()
+        left = sum(len(t) - i for t, _, i, _ in eng._to_persist)
+        assert left >= 6
+        eng._iterate(None)  # idle: one chunk of 2 pages, then B is in the inbox and the loop returns
+        assert calls == [2] and not b_out
+        assert sum(len(t) - i for t, _, i, _ in eng._to_persist) == left - 2
+        eng._iterate(None)  # B is scheduled and run before any more of A's pages
+        assert b_out and b_out[-1].finished
+        _drive(eng, b_out, lambda: not eng._to_persist)
+        assert sum(calls) >= left  # A's pages went down after all
+    finally:
+        eng.shutdown()
+
+
 def test_a_queue_of_prompts_does_not_starve_the_pages_of_those_before(engine, monkeypatch):
     """Back to back, the loop is never idle: after each step the pages of the requests that ended
     before it go down for a share of that step's time, so a later prompt does not evict them first.
