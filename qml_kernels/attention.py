@@ -44,10 +44,10 @@ class AttentionMetadata:
     def build(cls, slot_mapping: list[int] | torch.Tensor, block_tables: list[list[int]], cu_seqlens_q: list[int],
               context_lens: list[int], device) -> AttentionMetadata:
         return cls(
-            slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.int64).to(device),
-            block_tables=block_tables_tensor(block_tables).to(device),
-            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            slot_mapping=host_to_device(torch.as_tensor(slot_mapping, dtype=torch.int64), device),
+            block_tables=host_to_device(block_tables_tensor(block_tables), device),
+            cu_seqlens_q=host_to_device(torch.tensor(cu_seqlens_q, dtype=torch.int32), device),
+            context_lens=host_to_device(torch.tensor(context_lens, dtype=torch.int32), device),
             cu_seqlens_q_host=list(cu_seqlens_q),
             context_lens_host=list(context_lens),
         )
@@ -65,6 +65,17 @@ class AttentionMetadata:
     def is_decode(self) -> bool:
         """Every sequence brings exactly one new token."""
         return self.max_q_len == 1
+
+
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A CPU tensor copied to ``device`` without the host waiting for the device. To a GPU it goes through
+    pinned memory and is queued behind the stream's work: from pageable memory the copy may synchronise
+    with the stream, holding the host until the device has run all that was queued before it (a step
+    whose layers wait for KV restored from host RAM then launched its end only after the restore)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def block_tables_tensor(block_tables: list[list[int]]) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qml_kernels.attention import AttentionMetadata
+from qml_kernels.attention import AttentionMetadata, host_to_device
 from qml_kernels.sampling import sample
 from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs, sampling_rows
 from qml_runtime.kv.cache import KVCache
@@ -77,8 +77,11 @@ class ModelRunner:
         dev = self.device
         slot_list = torch.cat(slots)
         meta = AttentionMetadata.build(slot_list, [s.block_table for s in batch.seqs], cu_seqlens_q, context_lens, dev)
-        return (torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-                torch.cat(positions).to(dev, non_blocking=True), meta, sample_rows)
+        # every input through pinned memory (host_to_device): the host queues the whole step, the rows to
+        # sample included, without waiting for the device, which may still wait for restored KV
+        return (host_to_device(torch.tensor(ids, dtype=torch.int64), dev),
+                host_to_device(torch.cat(positions), dev), meta,
+                host_to_device(torch.tensor(sample_rows, dtype=torch.int64), dev))
 
     def _graph_tokens(self, batch: ScheduledBatch):
         """The step's sampled tokens through a CUDA graph [B] (device) and the graph family that ran
@@ -207,7 +210,7 @@ class ModelRunner:
             drawn = self._draw(family.last_logits[:n], sampling, params.floats[:, :n], params.ints[:, :n], t0,
                                while_running)
             return self._per_seq(batch.seqs, sampling, *drawn)
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        input_ids, positions, meta, sample_index = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv, meta)  # [T, D]
         self.kv.settle()  # what runs next (sampling, graphs, spills) comes after every restored layer
         for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -217,7 +220,7 @@ class ModelRunner:
             if while_running is not None:
                 while_running()
             return [None] * len(batch.seqs), None
-        logits = self.model.logits(hidden[sample_rows])  # [B', V]
+        logits = self.model.logits(hidden.index_select(0, sample_index))  # [B', V]
         floats, ints = self._sampling_tensors(sampling, logits.device)
         return self._per_seq(batch.seqs, sampling, *self._draw(logits, sampling, floats, ints, t0, while_running))
 
@@ -234,7 +237,7 @@ class ModelRunner:
     @staticmethod
     def _sampling_tensors(seqs: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         floats, ints = sampling_rows(seqs)
-        return floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        return host_to_device(floats, device), host_to_device(ints, device)
 
     def _draw(self, logits: torch.Tensor, seqs: list, floats: torch.Tensor, ints: torch.Tensor,
               t0: float, while_running: Callable[[], None] | None = None) -> tuple[list[int], Logprobs]:
