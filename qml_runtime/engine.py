@@ -462,20 +462,27 @@ class Engine:
                   if self.tiers is not None else [])
         pure_prefill = sum(n for _, n in chunks) >= 64 and all(n > 1 for _, n in chunks)
         seconds = sum(self.tiers.planner.prefill_seconds(start, n) for start, n in chunks) if pure_prefill else 0.0
-        if pure_prefill and self.tiers.deferred and self.tiers.pump_beside:
-            # kept pages go down beside a long prefill (a burst of prompts never idles the loop, and a
-            # turn arriving after it would otherwise evict pages whose copies still wait: 3.5 GB to
-            # gather and copy beside its restore, ~100 ms more on the H200)
-            pages = self.tiers.pages_beside(seconds)
-            if pages:
-                self.tiers.pump(pages, beside_step=True)
+        # kept pages go down beside a long prefill (a burst of prompts never idles the loop, and a turn
+        # arriving after it would otherwise evict pages whose copies still wait: 3.5 GB to gather and copy
+        # beside its restore, ~100 ms more on the H200)
+        pump_pages = (self.tiers.pages_beside(seconds)
+                      if pure_prefill and self.tiers.deferred and self.tiers.pump_beside else 0)
+        # finished requests' pages go to the tiers while the device runs the prefill, not after it, where
+        # the next request (sent as soon as its client had this step's token) waited for them
+        persist_beside = pure_prefill and bool(self._to_persist)
         beside_step = None
-        if pure_prefill and self._to_persist:
-            # finished requests' pages go down while the device runs the prefill, not after it, where the
-            # next request (sent as soon as its client had this step's token) waited for them
+        if pump_pages or persist_beside:
+            # both once the step is queued: the pump's copies queued before it cost the turn their host
+            # time (1-2 ms of a GPU-history turn right after a long prompt, H200 in-process), and they
+            # still run beside the step, ordered after what the compute stream held before it
+            before_step = self.tiers.compute_mark()
+
             def beside_step() -> None:
                 try:
-                    self._persist(budget_s=PERSIST_BESIDE_SHARE * seconds, during_step=True)
+                    if pump_pages:
+                        self.tiers.pump(pump_pages, beside_step=True, after=before_step)
+                    if persist_beside:
+                        self._persist(budget_s=PERSIST_BESIDE_SHARE * seconds, during_step=True)
                 except Exception:  # the tiers' trouble is not the step's: its tokens stand
                     log.exception("handing finished requests' pages to the KV tiers failed")
         t0 = time.perf_counter()
@@ -492,7 +499,7 @@ class Engine:
         if pure_prefill:  # (no chunks without tiers)
             self.tiers.planner.observe_prefill(chunks, t1 - t0)
         self._take_tokens(batch, tokens, logprobs)
-        if beside_step is None:  # (a step that returns has called it)
+        if not persist_beside:  # (a step that returns has called beside_step)
             self._persist(budget_s=PERSIST_SHARE * (t1 - t0))
         self.loop_seconds["post"] += time.perf_counter() - t1
         return None
@@ -500,11 +507,11 @@ class Engine:
     def _persist(self, everything: bool = False, budget_s: float = 0.0, yield_to_inbox: bool = True,
                  during_step: bool = False) -> None:
         """Hand finished requests' named pages to the tiers (``KVTiers.persist``), ``PERSIST_CHUNK`` at a
-        time (``PERSIST_IDLE_CHUNK`` while idle). While idle (``everything``): until none is left, stopping
-        as soon as a new request or an abort is in the inbox (it goes first). After a step: one chunk, and more of the requests
-        that ended before that step while ``budget_s`` lasts (those that ended in it wait for the
-        loop to be idle, or for the next step: a turn sent as soon as its client had the last token
-        is not held up by them). ``during_step``: called while a step runs (``runner.step``'s
+        time (``PERSIST_IDLE_CHUNK`` while idle). While idle (``everything``): until none is left,
+        stopping as soon as a new request or an abort is in the inbox (it goes first). After a step: one
+        chunk, and more of the requests that ended before that step while ``budget_s`` lasts (those that
+        ended in it wait for the loop to be idle, or for the next step: a turn sent as soon as its
+        client had the last token is not held up by them). ``during_step``: called while a step runs (``runner.step``'s
         ``while_running``), so the requests that ended before it may all go. A page taken for
         another block since its request ended is skipped: when it was evicted the tiers got its copy
         (``KVTiers.spill``), and its K/V now belong to another block."""

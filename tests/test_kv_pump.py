@@ -65,17 +65,27 @@ def test_a_long_prefill_takes_the_backlog_down_beside_it(engine, expected, monke
     turn's kept pages reach host RAM during it. The next turn, its history evicted by more prompts,
     comes back from host RAM with the same greedy reply as without a cache."""
     eng = sibling(engine, num_blocks=12, host_bytes=64 * 2**20)
-    beside = []
+    beside, stepping = [], [False]
     pump = type(eng.tiers).pump
 
-    def recorded(self, max_pages=None, beside_step=False):
+    def recorded(self, max_pages=None, beside_step=False, **kwargs):
         before = self.deferred
-        more = pump(self, max_pages, beside_step)
+        more = pump(self, max_pages, beside_step, **kwargs)
         if beside_step:
-            beside.append((before, max_pages, self.deferred))
+            beside.append((before, max_pages, self.deferred, stepping[0]))
         return more
 
+    step = eng.runner.step
+
+    def step_flagged(*args, **kwargs):
+        stepping[0] = True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            stepping[0] = False
+
     monkeypatch.setattr(type(eng.tiers), "pump", recorded)
+    eng.runner.step = step_flagged
     eng._pump = lambda: False  # no chunk between steps or while idle
     try:
         eng.tiers.defer_persist = eng.tiers.save_in_place = True
@@ -88,6 +98,7 @@ def test_a_long_prefill_takes_the_backlog_down_beside_it(engine, expected, monke
         eng.generate_sync(ids, SamplingParams(max_tokens=1, temperature=0))
         assert beside and beside[0][0] == kept and beside[0][1] > 0
         assert beside[0][2] == 0 and not eng.tiers._pending  # all of it beside the prefill
+        assert beside[0][3]  # queued once the step was (runner.step's while_running), not before it
         for q in ("Describe the sea.", "What is a prime number?", "Tell me about Paris.", "Why is grass green?"):
             eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": q}]), GREEDY)
         restored = eng.tiers.stats.restored_host

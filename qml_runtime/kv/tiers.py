@@ -233,12 +233,23 @@ class KVTiers:
         """Pages kept in host RAM whose copy down ``pump`` has not queued yet."""
         return len(self._deferred)
 
-    def pump(self, max_pages: int | None = None, beside_step: bool = False) -> bool:
+    def compute_mark(self):
+        """An event at the compute stream's current end (None on CPU): ``pump(after=...)`` orders copies
+        queued later after only what came before it."""
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.kv.data.device))
+        return event
+
+    def pump(self, max_pages: int | None = None, beside_step: bool = False, after=None) -> bool:
         """Queue the next deferred copies down (``max_pages``, one 128 MiB chunk by default), unless the
         link is busy: a restore is in flight, or (between steps, not ``beside_step``) the chunk queued
         before is still copying. True while deferred copies remain (the engine calls again between
         steps, polls while idle, and before a long prefill passes ``beside_step`` with as many pages
-        as the link moves in about half of that step: ``pages_beside``)."""
+        as the link moves in about half of that step: ``pages_beside``). ``after``: an event of the compute
+        stream (``compute_mark``) taken before a step already queued; the copies wait for it rather
+        than for that step, whose work cannot touch a deferred page (one it took was spilled first)."""
         if not self._deferred:
             return False
         if not beside_step and self._pump_done is not None and not self._pump_done.query():
@@ -250,7 +261,7 @@ class KVTiers:
         for _, slot in batch:
             del self._deferred_slots[slot]
         if self.save_in_place:
-            self._save_in_place(batch)
+            self._save_in_place(batch, after)
         else:
             self._pending.extend(batch)
             self.flush_spills()
@@ -262,7 +273,7 @@ class KVTiers:
         measured rate for half of it, so that the copies have ended when a restore may come next."""
         return int(PUMP_SHARE * seconds * self.planner.host_bytes_per_s / self.block_bytes)
 
-    def _save_in_place(self, batch: list[tuple[int, int]]) -> None:
+    def _save_in_place(self, batch: list[tuple[int, int]], after=None) -> None:
         """Pages into their host slots with ``qml_kernels.page_save`` on the side stream: the kernel
         stores into the pinned rows directly, so no device staging is held however many pages go
         (a gathered copy needed its size in device memory until the copy ran), and a long prefill
@@ -275,7 +286,7 @@ class KVTiers:
         index = torch.tensor([[p for p, _ in batch], [s for _, s in batch]], dtype=torch.int64,
                              pin_memory=self._cuda)
         pool, table = self.kv.chunk_views(self.host.slots)
-        with self._side():
+        with self._side(after):
             index = index.to(dev, non_blocking=self._cuda)
             page_save(table, index[1], pool, index[0], config=PageCopyConfig(num_programs=SAVE_PROGRAMS))
         if not self._cuda:  # (tests: the reference has copied already)
@@ -449,11 +460,15 @@ class KVTiers:
         index = torch.tensor(pages, dtype=torch.int64, pin_memory=self._cuda)
         return self.kv.gather_pages(index.to(self.kv.data.device, non_blocking=True), settle=settle)
 
-    def _side(self):
-        """A context on the copy stream, after the work queued so far on the compute stream."""
+    def _side(self, after=None):
+        """A context on the copy stream, after the work queued so far on the compute stream (or only up
+        to ``after``, a ``compute_mark``)."""
         if not self._cuda:
             return contextlib.nullcontext()
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.kv.data.device))
+        if after is None:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.kv.data.device))
+        else:
+            self._copy_stream.wait_event(after)
         # a slot a restore still reads must not be overwritten by a spill into it
         self._copy_stream.wait_stream(self._restore_stream)
         return torch.cuda.stream(self._copy_stream)
