@@ -8,7 +8,6 @@ compares outputs (a race shows as a wrong token only sometimes); this checks the
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -50,6 +49,7 @@ def _requests() -> dict[str, dict]:
 
 
 REQUESTS = _requests()
+
 
 @pytest.fixture(scope="module")
 def reports() -> dict:
