@@ -61,8 +61,11 @@ PUMP_POLL_S = 0.001  # while idle with kept pages still to copy down: how often 
 PERSIST_CHUNK = 256
 # while idle the chunk is smaller: a request arriving meanwhile waits for the chunk in hand, and 256 pages
 # took ~2 ms of the H200 engine thread (in-process host turn, --call-timers: 8.4 ms in 4 calls), which the
-# next turn of a conversation, sent as soon as its client had the last token, spent waiting
-PERSIST_IDLE_CHUNK = 64
+# next turn of a conversation, sent as soon as its client had the last token, spent waiting. At 64 the turn
+# right after a fresh 27k-token prompt still found a chunk in hand (its schedule began 2-4 ms after it
+# arrived, H200 in-process --call-timers, 2026-12-03): a page costs ~40 us there (a host slot evicted, its
+# bytes copied for the disk writer), so 16
+PERSIST_IDLE_CHUNK = 16
 # after a step, the pages of requests that ended before it go on for this share of the step's time (at
 # least one chunk): under back-to-back long prompts the loop is never idle, and with one chunk a step
 # the pages left waiting were evicted by later prompts before they went down, as spills (gathered
@@ -73,6 +76,10 @@ PERSIST_SHARE = 0.02
 # (the host has nothing else to do until its tokens are ready; on the H200 the 2% after a 20k-token
 # prompt's step held the next request for ~13 ms, in-process --call-timers). Then none after the step.
 PERSIST_BESIDE_SHARE = 0.5
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass
@@ -426,6 +433,17 @@ class Engine:
             self._wakeup.wait(PUMP_POLL_S if self._pump() else None)
             self._wakeup.clear()
             return None
+        # the disk writer's threads wait while this thread schedules and launches (its launches release the GIL,
+        # and the writers' Python took it each time): they have the host back while the device runs the step
+        release = self.tiers.hold_writes() if self.tiers is not None else _nothing
+        try:
+            return self._schedule_and_run(release)
+        finally:
+            release()
+
+    def _schedule_and_run(self, release: Callable[[], None]) -> Launched | None:
+        """Schedule a batch and run it: a decode step is launched and left in flight (returned), any other
+        runs to its tokens. ``release`` is called once the step is queued on the device."""
         t_start = time.perf_counter()
         batch = self.scheduler.schedule()  # (a scheduler bug fails every request: _loop's handler)
         if not batch:
@@ -470,14 +488,14 @@ class Engine:
         # finished requests' pages go to the tiers while the device runs the prefill, not after it, where
         # the next request (sent as soon as its client had this step's token) waited for them
         persist_beside = pure_prefill and bool(self._to_persist)
-        beside_step = None
-        if pump_pages or persist_beside:
-            # both once the step is queued: the pump's copies queued before it cost the turn their host
-            # time (1-2 ms of a GPU-history turn right after a long prompt, H200 in-process), and they
-            # still run beside the step, ordered after what the compute stream held before it
-            before_step = self.tiers.compute_mark()
+        # both once the step is queued: the pump's copies queued before it cost the turn their host
+        # time (1-2 ms of a GPU-history turn right after a long prompt, H200 in-process), and they
+        # still run beside the step, ordered after what the compute stream held before it
+        before_step = self.tiers.compute_mark() if pump_pages or persist_beside else None
 
-            def beside_step() -> None:
+        def beside_step() -> None:
+            release()
+            if pump_pages or persist_beside:
                 try:
                     if pump_pages:
                         self.tiers.pump(pump_pages, beside_step=True, after=before_step)

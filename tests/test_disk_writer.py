@@ -119,6 +119,40 @@ def test_writes_wait_while_a_restore_reads(tmp_path, monkeypatch):
     store.close()
 
 
+def test_writes_wait_while_the_engine_holds_them(tmp_path, monkeypatch):
+    """While the engine thread schedules and launches a step (``hold``), writes not yet begun wait until
+    ``release``; a hold longer than HOLD_MAX_S does not stop them, and reads and holds together wait for both."""
+    from qml_runtime.kv import disk_writer as writer_mod
+
+    store = DiskStore(tmp_path, b"f" * 32, budget_bytes=2**20)
+    writer = DiskWriter(store, BLOCK, SimpleNamespace(written_disk=0), threads=2)
+    rows = torch.ones(3, BLOCK, dtype=torch.uint8)
+    writer.hold()
+    writer.put_block(_name(0), pack([0]), rows[0].clone(), None, None)
+    time.sleep(0.1)  # (well under HOLD_MAX_S)
+    assert not store.contains(_name(0)) and writer.queued(_name(0))
+    writer.reads_started()
+    writer.release()
+    time.sleep(0.1)
+    assert not store.contains(_name(0))  # the read still holds it
+    writer.reads_done()
+    writer.join()
+    assert store.contains(_name(0))
+    # a hold that lasts: the write goes once the hold in force began HOLD_MAX_S ago
+    monkeypatch.setattr(writer_mod, "HOLD_MAX_S", 0.3)
+    writer.hold()
+    t0 = time.monotonic()
+    writer.put_block(_name(1), pack([1]), rows[1].clone(), None, None)
+    writer.join()
+    assert store.contains(_name(1)) and time.monotonic() - t0 >= 0.25 and writer._holds == 1
+    writer.release()
+    writer.put_block(_name(2), pack([2]), rows[2].clone(), None, None)
+    writer.join()
+    assert store.contains(_name(2)) and writer._holds == 0
+    writer.close()
+    store.close()
+
+
 def test_a_borrowed_row_detached_before_its_write_is_written_as_it_was(tmp_path):
     # a kept page's write reads its host-tier row in place; when the row is about to take another page's
     # bytes, detach gives the queued block its own copy: the file holds the old bytes, not the new ones

@@ -404,3 +404,51 @@ def test_a_page_handed_to_the_disk_writer_is_not_handed_over_again_while_queued(
     finally:
         gate.set()
         eng.shutdown()
+
+
+def test_disk_writes_wait_while_the_engine_schedules_and_launches_a_step(engine, tmp_path, monkeypatch):
+    """The writer threads are held from a step's scheduling until its kernels are queued (``runner.step``'s
+    while_running), not while the host waits for the device, nor between steps; ``QML_QUIET_WRITES=0``
+    switches it off."""
+    eng = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    writer = eng.tiers._writer
+    log, held = [], [0]
+    hold, release = writer.hold, writer.release
+
+    def counted_hold():
+        held[0] += 1
+        log.append("hold")
+        hold()
+
+    def counted_release():
+        held[0] -= 1
+        log.append("release")
+        release()
+
+    step = eng.runner.step
+
+    def watched_step(batch, *args, while_running=None, **kwargs):
+        log.append(("step", held[0]))
+
+        def running():
+            while_running()
+            log.append(("running", held[0]))
+        return step(batch, *args, while_running=running, **kwargs)
+
+    monkeypatch.setattr(writer, "hold", counted_hold)
+    monkeypatch.setattr(writer, "release", counted_release)
+    eng.runner.step = watched_step
+    try:
+        turns(eng)
+        steps = [e for e in log if isinstance(e, tuple)]
+        assert steps and all(e == ("step", 1) for e in steps[::2]) and all(e == ("running", 0) for e in steps[1::2])
+        assert held[0] == 0 and log.count("hold") == log.count("release") >= len(steps) // 2
+    finally:
+        eng.shutdown()
+    assert eng.tiers.stats.written_disk > 0 and writer._holds == 0  # the writes went on between the holds
+    monkeypatch.setenv("QML_QUIET_WRITES", "0")
+    off = sibling(engine, num_blocks=64, disk_dir=str(tmp_path / "off"), disk_bytes=2**30)
+    try:
+        assert off.tiers.hold_writes() is off.tiers.hold_writes() and off.tiers._writer._holds == 0
+    finally:
+        off.shutdown()

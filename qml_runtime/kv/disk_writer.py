@@ -39,6 +39,12 @@ WRITER_THREADS = 4
 # not stop the writes): on the H200 the second user's disk turn, right after the first user's 27k-token
 # prompt had queued 3.5 GB of writes (~0.7 GB/s), took 824-939 ms against 766-843
 READS_FIRST_MAX_S = 2.0
+# a block's write also waits while the engine thread schedules and launches a step (``hold``): the writers'
+# Python (between the encoding's and the file's calls, which release the GIL) took the GIL from the engine
+# thread at every kernel launch, which releases it. Those windows are short (the device then runs the step
+# and the writers have the host), but a long one must not stop the writes either: held longer than this
+# without a pause, the writes go on
+HOLD_MAX_S = 0.25
 
 
 class _Block:
@@ -66,7 +72,9 @@ class DiskWriter:
         self._block_done = threading.Condition(self._lock)  # a borrowed block's write ended
         self._reads = 0  # disk reads of restores in flight (``reads_started``/``reads_done``)
         self._reads_since = 0.0  # when the reads in flight began (monotonic), with none in between
-        self._no_reads = threading.Condition(self._lock)
+        self._holds = 0  # the engine thread's holds (``hold``/``release``) in force
+        self._holds_since = 0.0
+        self._no_reads = threading.Condition(self._lock)  # reads or holds ended
         self._local = threading.local()  # each thread's bounce buffer and stream, made at its first GPU pages
         self._queue: queue.Queue = queue.Queue()
         self._threads = [threading.Thread(target=self._loop, name=f"qml-kv-writer-{i}", daemon=True)
@@ -125,6 +133,32 @@ class DiskWriter:
             if not self._reads:
                 self._no_reads.notify_all()
 
+    def hold(self) -> None:
+        """The engine thread schedules and launches a step: writes not yet begun wait until ``release``
+        (or ``HOLD_MAX_S`` after the holds in force began)."""
+        with self._lock:
+            if not self._holds:
+                self._holds_since = time.monotonic()
+            self._holds += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holds -= 1
+            if not self._holds:
+                self._no_reads.notify_all()
+
+    def _wait_turn(self) -> None:
+        """(Under the lock) until no reads nor holds are in force, or they have been for their longest."""
+        while True:
+            now, until = time.monotonic(), None
+            if self._reads and now < self._reads_since + READS_FIRST_MAX_S:
+                until = self._reads_since + READS_FIRST_MAX_S
+            if self._holds and now < self._holds_since + HOLD_MAX_S:
+                until = max(until or 0.0, self._holds_since + HOLD_MAX_S)
+            if until is None:
+                return
+            self._no_reads.wait(timeout=until - now)
+
     def queued(self, name: bytes) -> bool:
         """Whether ``name`` was handed over and its write has not ended yet."""
         with self._lock:
@@ -179,10 +213,7 @@ class DiskWriter:
                 self._queued.discard(name)
                 return
             self._writing.add(name)
-            if self._reads:
-                until = self._reads_since + READS_FIRST_MAX_S
-                self._no_reads.wait_for(lambda: not self._reads or time.monotonic() >= until,
-                                        timeout=max(0.0, until - time.monotonic()))
+            self._wait_turn()
         written = False
         try:
             written = self.disk.put(name, parent, unpack(tokens), data)  # never raises: a failure is a later miss

@@ -71,6 +71,11 @@ PUMP_SHARE = 0.5
 # the pump's in-place copies (page_save): a quarter of the restore's programs, as they run beside a
 # prefill that wants the SMs (stores to host memory are posted: few programs keep the link busy)
 SAVE_PROGRAMS = 16
+# the restore's page_copy programs: 64 moved a 27k-token Llama-3.1-8B history (3.58 GB, 32 launches of one
+# layer) in 70.7-71.0 ms against 72.2-72.3 with 32 (50.5 against 49.5 GB/s; 128: 71.0-71.2; the copy
+# engines' 2D copies of the same 32 KiB runs 70.7-71.1, one flat copy 67 ms: the link, not the kernel, is the
+# limit); benchmarks/results/kv-upload-dma-h200-2026-12-03.md
+RESTORE_PROGRAMS = 64
 MAX_PENDING_WRITE_BYTES = 4 << 30  # gathered pages waiting for the disk writer; past it a persist is skipped
 # parallel block reads: the H200 host's disk gave encoded blocks back at 1.94 GB/s of KV with 4 threads,
 # 2.22 with 8, 2.17 with 16 (benchmarks/disk_read_h200.py --store)
@@ -135,6 +140,8 @@ class KVTiers:
         self.save_in_place = self._in_place and os.environ.get("QML_SAVE_IN_PLACE", "1") != "0"
         # the engine pumps kept pages beside a long prefill step (``pages_beside``), not only between steps
         self.pump_beside = os.environ.get("QML_PUMP_BESIDE", "1") != "0"
+        # the disk writer's threads wait while the engine thread schedules and launches a step (``hold_writes``)
+        self.quiet_writes = os.environ.get("QML_QUIET_WRITES", "1") != "0"
         if self._in_place:
             self._compile_page_copy()
         self._pending = SpillQueue()  # (page, host slot) spilled, not yet copied down
@@ -167,6 +174,23 @@ class KVTiers:
                                  daemon=True).start()
             self._writer = DiskWriter(disk, self.block_bytes, self.stats)
             self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="qml-kv-loader")
+
+    def hold_writes(self):
+        """The engine thread is about to schedule and launch a step: disk writes not begun yet wait (up to
+        ``disk_writer.HOLD_MAX_S``) until the returned callable is called (idempotent; the step's
+        ``while_running``, or when the step fails). Each kernel launch releases the GIL, and the writer
+        threads' Python between their encoding's and their file's calls took it every time."""
+        writer = self._writer
+        if writer is None or not self.quiet_writes:
+            return _nothing
+        writer.hold()
+        held = [True]
+
+        def release() -> None:
+            if held[0]:
+                held[0] = False
+                writer.release()
+        return release
 
     # --- down -------------------------------------------------------------------------
 
@@ -745,7 +769,7 @@ class KVTiers:
         stream, with an event per layer handed to the pool (``KVCache.restore_events``): the
         prefill that reads them waits layer by layer, so it computes layer i while later layers
         still arrive, and a 3.5 GB history (~70 ms) hides the turn's own compute behind it."""
-        from qml_kernels.page_copy import page_copy
+        from qml_kernels.page_copy import PageCopyConfig, page_copy
 
         dev = self.kv.data.device
         compute = torch.cuda.current_stream(dev)
@@ -766,8 +790,9 @@ class KVTiers:
             start.record()
             index = index.to(dev, non_blocking=True)
             pages_d, slots_d = index[0, :len(pages)], index[1, :len(pages)]
+            config = PageCopyConfig(num_programs=RESTORE_PROGRAMS)
             for layer in range(self.kv.data.shape[0]):
-                page_copy(pool, pages_d, table, slots_d, 2 * layer, 2 * layer + 2)
+                page_copy(pool, pages_d, table, slots_d, 2 * layer, 2 * layer + 2, config=config)
                 event = torch.cuda.Event(enable_timing=layer == self.kv.data.shape[0] - 1)
                 event.record()
                 events.append(event)
@@ -787,6 +812,10 @@ class KVTiers:
             else:
                 still.append((start, end, nbytes))
         self._timing = still
+
+
+def _nothing() -> None:
+    pass
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
