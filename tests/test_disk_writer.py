@@ -7,6 +7,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from qml_runtime.kv.disk_store import DiskStore
@@ -175,6 +176,49 @@ def test_a_borrowed_row_detached_before_its_write_is_written_as_it_was(tmp_path)
     assert torch.equal(store.get(_name(1), [1]), rows[1])  # read in place
     assert writer.pending_bytes == 0 and stats.written_disk == 2 and not writer._borrowed
     writer.detach(_name(1))  # written: nothing left to detach
+    writer._queue.put(None)
+    thread.join(timeout=10)
+    store.close()
+
+
+def test_owned_blocks_count_as_pending_until_written(tmp_path):
+    # a host entry evicted to make room is handed over as its own copy: its bytes wait in the writer's queue
+    # like gathered pages do, and the engine's budget for that backlog must see them
+    store = DiskStore(tmp_path, b"f" * 32, budget_bytes=2**20)
+    writer = DiskWriter(store, BLOCK, SimpleNamespace(written_disk=0), threads=0)
+    writer.put_block(_name(0), pack([0]), torch.ones(BLOCK, dtype=torch.uint8), None, None)
+    writer.put_block(_name(1), pack([1]), torch.ones(BLOCK, dtype=torch.uint8), None, None, borrowed=True)
+    assert writer.pending_bytes == 2 * BLOCK
+    writer.detach(_name(1))  # now a copy: still waiting to be written
+    assert writer.pending_bytes == 2 * BLOCK
+    thread = threading.Thread(target=writer._loop, daemon=True)
+    thread.start()
+    writer.join()
+    assert writer.pending_bytes == 0 and store.contains(_name(0)) and store.contains(_name(1))
+    writer._queue.put(None)
+    thread.join(timeout=10)
+    store.close()
+
+
+def test_a_row_detached_while_the_disk_is_behind_is_dropped_not_copied(tmp_path, monkeypatch):
+    """Past ``backlog_bytes`` waiting to be written, detach gives the block up (the row is not copied on the
+    engine thread): it is counted as skipped, no longer queued, and never written; the others are."""
+    store = DiskStore(tmp_path, b"f" * 32, budget_bytes=2**20)
+    stats = SimpleNamespace(written_disk=0, persist_skipped=0)
+    writer = DiskWriter(store, BLOCK, stats, threads=0, backlog_bytes=BLOCK)
+    rows = torch.full((2, BLOCK), 4, dtype=torch.uint8)
+    writer.put_block(_name(0), pack([0]), rows[0], None, None, borrowed=True)
+    writer.put_block(_name(1), pack([1]), rows[1], None, None, borrowed=True)
+    monkeypatch.setattr(torch.Tensor, "clone", lambda self: pytest.fail("the row was copied"))
+    writer.detach(_name(0))
+    monkeypatch.undo()
+    assert stats.persist_skipped == 1 and not writer.queued(_name(0)) and writer.queued(_name(1))
+    assert writer.pending_bytes == BLOCK
+    thread = threading.Thread(target=writer._loop, daemon=True)
+    thread.start()
+    writer.join()
+    assert not store.contains(_name(0)) and store.contains(_name(1)) and stats.written_disk == 1
+    assert writer.pending_bytes == 0 and not writer._borrowed
     writer._queue.put(None)
     thread.join(timeout=10)
     store.close()

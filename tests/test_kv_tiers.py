@@ -357,8 +357,10 @@ def test_a_full_host_tier_waits_only_for_the_slot_it_evicts(engine, tmp_path, mo
     monkeypatch.setattr(tiers_mod.KVTiers, "flush_spills", counted_flush)
     monkeypatch.setattr(tiers_mod.KVTiers, "_reserve_host", counted_reserve)
     monkeypatch.setattr(tiers_mod.KVTiers, "_queue_disk_write", counted_queue)
-    # no write-through at the end of requests: what host RAM evicts is not on disk yet
-    monkeypatch.setattr(tiers_mod, "MAX_PENDING_WRITE_BYTES", 0)
+    # no write-through at the end of requests (neither from the host rows nor gathered): what host RAM evicts
+    # is not on disk yet
+    monkeypatch.setattr(tiers_mod.HostWrites, "register", lambda *a: None)
+    monkeypatch.setattr(tiers_mod.KVTiers, "_write_through", lambda *a: None)
     eng = sibling(engine, num_blocks=10, host_bytes=4 * engine.kv.block_bytes, disk_dir=str(tmp_path),
                   disk_bytes=2**30)
     try:
@@ -371,6 +373,42 @@ def test_a_full_host_tier_waits_only_for_the_slot_it_evicts(engine, tmp_path, mo
         assert eng.tiers.stats.written_disk > 0  # evicted host entries went to disk
     finally:
         eng.shutdown()
+
+
+def test_a_host_entry_evicted_while_the_disk_is_behind_is_dropped_not_copied(engine, tmp_path, monkeypatch):
+    """With more than MAX_PENDING_WRITE_BYTES waiting for the disk, an entry host RAM evicts leaves the cache:
+    no copy of its row for the writer (2 MiB of the engine thread's time a Llama-3.1-8B page) and no wait for
+    its slot; it counts as skipped, and serving goes on with the same replies."""
+    from qml_runtime.kv import tiers as tiers_mod
+
+    monkeypatch.setattr(tiers_mod.HostWrites, "register", lambda *a: None)  # nothing written through either
+    monkeypatch.setattr(tiers_mod.KVTiers, "_write_through", lambda *a: None)
+
+    def refuse(what):  # an Exception (pytest.fail's is not one): the engine fails the request, the test sees it
+        def call(*args):
+            raise AssertionError(what)
+        return call
+
+    monkeypatch.setattr(tiers_mod.KVTiers, "_queue_disk_write", refuse("an evicted entry was copied"))
+    monkeypatch.setattr(tiers_mod.KVTiers, "_settle_slot", refuse("an evicted entry's slot was settled"))
+    monkeypatch.setattr(tiers_mod, "MAX_PENDING_WRITE_BYTES", 0)  # the disk is always behind
+    eng = sibling(engine, num_blocks=10, host_bytes=4 * engine.kv.block_bytes, disk_dir=str(tmp_path),
+                  disk_bytes=2**30)
+    prompts = ("Describe the sea.", "What is a prime number?", "Tell me about Paris.", "Why is grass green?")
+    try:
+        replies = [eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+                                     GREEDY).token_ids for q in prompts]
+        eng.flush_kv()
+        assert eng.tiers.stats.persist_skipped >= 4 and eng.tiers.stats.written_disk == 0
+        assert len(eng.tiers.host) <= eng.tiers.host.capacity
+    finally:
+        eng.shutdown()
+    engine.scheduler.prefix_caching = False
+    try:
+        assert replies == [engine.generate_sync(engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}]), GREEDY).token_ids for q in prompts]
+    finally:
+        engine.scheduler.prefix_caching = True
 
 
 def test_a_page_handed_to_the_disk_writer_is_not_handed_over_again_while_queued(engine, tmp_path):

@@ -7,15 +7,16 @@ the disk's ~0.7-0.8 GB/s of writes (benchmarks/results/disk-read-h200-2026-12-02
 Two kinds of work arrive (``KVTiers`` queues them):
 - ``put_pages``: a finished request's pages gathered into a GPU staging buffer (write-through). The
   writer copies them through a pinned bounce buffer on its own stream (not behind the compute
-  stream's work), then writes each page as a file. ``pending_bytes`` counts the staging still held,
-  so the engine can skip a write-through when the disk falls behind.
+  stream's work), then writes each page as a file.
 - ``put_block``: one host tensor the writer owns (a host-RAM entry evicted to make room), or, with
   ``borrowed``, a row of the host tier itself (a kept page written through from its host copy, with
   no device gather and no second copy down): the tier must not reuse the row before the write has
   read it, and ``detach`` (the tier calls it when the row is about to take other bytes) turns a
   borrowed block not yet written into an owned copy, or waits for the write that is reading it.
 
-A write is a cache fill: a failure is logged and never stops the writer.
+``pending_bytes`` counts every byte handed over and not yet written (staging, owned blocks, borrowed rows),
+so the engine can skip a write-through, and drop a host entry it evicts rather than copy it for the writer,
+when the disk falls behind. A write is a cache fill: a failure is logged and never stops the writer.
 """
 
 from __future__ import annotations
@@ -50,18 +51,25 @@ HOLD_MAX_S = 0.25
 class _Block:
     """One block for ``put_block``: ``data`` owned, or ``borrowed`` (a host-tier row) until written or detached."""
 
-    __slots__ = ("name", "tokens", "data", "parent", "ready", "borrowed", "writing")
+    __slots__ = ("name", "tokens", "data", "parent", "ready", "borrowed", "writing", "dropped")
 
     def __init__(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None, ready, borrowed: bool):
         self.name, self.tokens, self.data, self.parent, self.ready = name, tokens, data, parent, ready
-        self.borrowed, self.writing = borrowed, False
+        self.borrowed, self.writing, self.dropped = borrowed, False, False
 
 
 class DiskWriter:
-    def __init__(self, disk: DiskStore, block_bytes: int, stats, threads: int = WRITER_THREADS):
-        """``stats``: the tiers' counters (``written_disk`` counts the blocks written)."""
+    def __init__(self, disk: DiskStore, block_bytes: int, stats, threads: int = WRITER_THREADS,
+                 backlog_bytes: int | None = None):
+        """``stats``: the tiers' counters (``written_disk`` counts the blocks written, ``persist_skipped``
+        those dropped). ``backlog_bytes``: past this many bytes held for writing, ``detach`` drops the
+        block rather than copying its row (None: never)."""
         self.disk, self.block_bytes, self.stats = disk, block_bytes, stats
-        self.pending_bytes = 0  # gathered pages handed over and not yet written
+        self.backlog_bytes = backlog_bytes
+        # bytes handed over and not yet written: gathered pages, owned blocks and borrowed rows alike (the
+        # engine skips write-throughs past a budget of them; owned copies left out of the count piled up
+        # unseen, 2 MiB each, while the disk was behind)
+        self.pending_bytes = 0
         self._lock = threading.Lock()  # pending_bytes, the stats, and the names being written
         self._writing: set[bytes] = set()  # a block queued twice is written once, by one thread
         # handed over and not yet written (or failed): the engine hands a block over once, not once per
@@ -93,18 +101,20 @@ class DiskWriter:
     def put_block(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None, ready,
                   borrowed: bool = False) -> None:
         """One host tensor the writer owns from now on (valid once ``ready`` has passed); ``borrowed``: a
-        host-tier row, read in place until ``detach``. Borrowed bytes count in ``pending_bytes``."""
+        host-tier row, read in place until ``detach``. Its bytes count in ``pending_bytes`` until written."""
         block = _Block(name, tokens, data, parent, ready, borrowed)
         with self._lock:
             self._queued.add(name)
             if borrowed:
                 self._borrowed[name] = block
-                self.pending_bytes += data.numel()
+            self.pending_bytes += data.numel()
         self._queue.put(("block", block))
 
     def detach(self, name: bytes) -> None:
         """The host row that borrowed block ``name`` reads is about to take other bytes: a block not yet
-        being written gets its own copy of the row now; one being written is waited for."""
+        being written gets its own copy of the row now, or is dropped when more than ``backlog_bytes``
+        wait to be written (a cache fill the disk cannot keep up with; the copy was 2 MiB of the engine
+        thread's time a Llama-3.1-8B page); one being written is waited for."""
         with self._lock:
             block = self._borrowed.get(name)
             while block is not None and block.writing:
@@ -112,12 +122,17 @@ class DiskWriter:
                 block = self._borrowed.get(name)
             if block is None:
                 return
+            del self._borrowed[name]
+            block.borrowed = False
+            if self.backlog_bytes is not None and self.pending_bytes > self.backlog_bytes:
+                block.dropped = True  # the thread that takes it skips it
+                self._queued.discard(name)
+                self.pending_bytes -= block.data.numel()
+                self.stats.persist_skipped += 1
+                return
             if block.ready is not None:
                 block.ready.synchronize()  # the row's copy down has landed
             block.data = block.data.clone()
-            block.borrowed = False
-            del self._borrowed[name]
-            self.pending_bytes -= block.data.numel()
 
     def reads_started(self) -> None:
         """A restore's reads begin: writes not yet begun wait for them (up to ``READS_FIRST_MAX_S`` after
@@ -193,6 +208,8 @@ class DiskWriter:
 
     def _write_block(self, block: _Block) -> None:
         with self._lock:
+            if block.dropped:  # detached while the disk was behind: its bytes were given up
+                return
             block.writing = block.borrowed  # detach waits for it from now on
         try:
             if block.ready is not None:
@@ -202,7 +219,7 @@ class DiskWriter:
             with self._lock:
                 if self._borrowed.get(block.name) is block:
                     del self._borrowed[block.name]
-                    self.pending_bytes -= block.data.numel()
+                self.pending_bytes -= block.data.numel()
                 block.writing = False
                 self._block_done.notify_all()
 

@@ -172,7 +172,7 @@ class KVTiers:
             if needs_probe(self.planner, disk):
                 threading.Thread(target=probe_disk, args=(disk, self.planner, LOADER_THREADS), name="qml-kv-probe",
                                  daemon=True).start()
-            self._writer = DiskWriter(disk, self.block_bytes, self.stats)
+            self._writer = DiskWriter(disk, self.block_bytes, self.stats, backlog_bytes=MAX_PENDING_WRITE_BYTES)
             self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="qml-kv-loader")
 
     def hold_writes(self):
@@ -343,6 +343,16 @@ class KVTiers:
                 if old_slot in self._deferred_slots:  # its copy down is moot now: the slot changes hands
                     self._undefer(self._deferred_slots[old_slot])
                 continue  # nothing to write: the slot simply takes the new page
+            if self.pending_write_bytes + self.block_bytes > MAX_PENDING_WRITE_BYTES:
+                # the disk is behind: the entry leaves the cache rather than taking a 2 MiB copy of the engine
+                # thread's time and a place in a queue that only grows (on the H200 a turn right after a fresh
+                # 27k-token prompt spent 20 ms of its persist in these copies)
+                self.stats.persist_skipped += 1
+                if old_slot in self._deferred_slots:  # its copy down is moot now: the slot changes hands
+                    self._undefer(self._deferred_slots[old_slot])
+                elif self._pending.has_slot(old_slot):
+                    self.flush_spills()  # a spill queued into the slot lands before the new page's copy
+                continue
             self._settle_slot(old_slot)  # its bytes must have landed before the CPU reads them
             # a copy: the slot is about to take the new page
             self._queue_disk_write(old_name, old_tokens, self.host.slots[old_slot].clone(), parent, None)
