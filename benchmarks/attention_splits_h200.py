@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 import torch
+from attention_pipeline_h200 import LLAMA, PREFILL_SPLIT_CASES, QWEN  # beside this script: the same shapes
 
 from qml_kernels.attention_decode import (
     PAGED_DECODE_ATTENTION_SPEC,
@@ -37,13 +38,8 @@ from qml_kernels.attention_prefill import (
 )
 from qml_kernels.workbench.spec import Case
 
-LLAMA = {"H": 32, "Hkv": 8, "Dh": 128, "S": 16, "shuffle": True}
-QWEN = {"H": 32, "Hkv": 4, "Dh": 128, "S": 16, "shuffle": True}
-PREFILL = (
-    (Case("turn150-ctx27339", {**LLAMA, "fused_q": True, "seqs": ((150, 27339),)}), 8),
-    (Case("turn219-ctx27339", {**LLAMA, "fused_q": True, "seqs": ((219, 27339),)}), 8),
-    (Case("turn133-ctx8000", {**LLAMA, "fused_q": True, "seqs": ((133, 8000),)}), 16),
-)
+# the next turn of a conversation: fewer layers over the longer histories (each layer its own ~112 MB of K/V)
+PREFILL = tuple((case, 8 if case.dims["seqs"][0][1] > 20000 else 16) for case in PREFILL_SPLIT_CASES)
 DECODE = tuple((Case(f"{name}-decode-ctx{L}", {**dims, "ctx": [L]}), layers)
                for name, dims, layers in (("qwen3-30b-a3b", QWEN, 48), ("llama3.1-8b", LLAMA, 32))
                for L in (130, 386, 1024, 4096))
@@ -124,8 +120,8 @@ def main() -> int:
             else:
                 config = PagedPrefillAttentionConfig()
                 tile = config.tiles(d["Dh"], d["H"] // d["Hkv"])[0] // (d["H"] // d["Hkv"])
-                n_q, L = d["seqs"][0]
-                auto = prefill_num_splits(-(-n_q // tile) * d["Hkv"], L, config, d["Dh"])
+                tiles = sum(-(-n_q // tile) for n_q, _ in d["seqs"])
+                auto = prefill_num_splits(tiles * d["Hkv"], max(L for _, L in d["seqs"]), config, d["Dh"])
                 rows += _run(case, layers, PAGED_PREFILL_ATTENTION_SPEC, paged_prefill_attention_triton,
                              PagedPrefillAttentionConfig, auto, (1, 4, 5, 6, 7, 8, 10, 13), scrub, dev)
         except Exception as exc:  # one case's trouble (memory, a compile error) leaves the others' rows

@@ -108,14 +108,14 @@ def test_writes_wait_while_a_restore_reads(tmp_path, monkeypatch):
     # each write (reads that began 60 s ago, a bound of 30 s: the write goes at once)
     monkeypatch.setattr(writer_mod, "READS_FIRST_MAX_S", 30.0)
     writer.reads_started()
-    writer._reads_since -= 60.0
+    writer._reads.since -= 60.0
     writer.reads_started()  # another restore joins them: still the same stretch of reads
     writer.put_block(_name(1), pack([1]), rows[1].clone(), None, None)
     for _ in range(100):  # (well under the 30 s a write would wait counted from itself)
         if store.contains(_name(1)):
             break
         time.sleep(0.05)
-    assert store.contains(_name(1)) and writer._reads == 2
+    assert store.contains(_name(1)) and writer._reads.count == 2
     writer.close()
     store.close()
 
@@ -145,11 +145,11 @@ def test_writes_wait_while_the_engine_holds_them(tmp_path, monkeypatch):
     t0 = time.monotonic()
     writer.put_block(_name(1), pack([1]), rows[1].clone(), None, None)
     writer.join()
-    assert store.contains(_name(1)) and time.monotonic() - t0 >= 0.25 and writer._holds == 1
+    assert store.contains(_name(1)) and time.monotonic() - t0 >= 0.25 and writer._holds.count == 1
     writer.release()
     writer.put_block(_name(2), pack([2]), rows[2].clone(), None, None)
     writer.join()
-    assert store.contains(_name(2)) and writer._holds == 0
+    assert store.contains(_name(2)) and writer._holds.count == 0
     writer.close()
     store.close()
 

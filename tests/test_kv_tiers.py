@@ -117,7 +117,7 @@ def test_a_conversation_survives_a_restart_on_disk(engine, expected, tmp_path):
     try:
         out = restarted.generate_sync(ids2, GREEDY)
         assert restarted.tiers.stats.restored_disk > 0
-        assert restarted.tiers._writer._reads == 0  # the load's reads ended: writes may go on
+        assert restarted.tiers._writer._reads.count == 0  # the load's reads ended: writes may go on
         assert out.cached_tokens == cacheable >= 32
         assert out.token_ids == expected
         # another tenant finds nothing of it
@@ -483,10 +483,10 @@ def test_disk_writes_wait_while_the_engine_schedules_and_launches_a_step(engine,
         assert held[0] == 0 and log.count("hold") == log.count("release") >= len(steps) // 2
     finally:
         eng.shutdown()
-    assert eng.tiers.stats.written_disk > 0 and writer._holds == 0  # the writes went on between the holds
+    assert eng.tiers.stats.written_disk > 0 and writer._holds.count == 0  # the writes went on between the holds
     monkeypatch.setenv("QML_QUIET_WRITES", "0")
     off = sibling(engine, num_blocks=64, disk_dir=str(tmp_path / "off"), disk_bytes=2**30)
     try:
-        assert off.tiers.hold_writes() is off.tiers.hold_writes() and off.tiers._writer._holds == 0
+        assert off.tiers.hold_writes() is off.tiers.hold_writes() and off.tiers._writer._holds.count == 0
     finally:
         off.shutdown()

@@ -58,6 +58,30 @@ class _Block:
         self.borrowed, self.writing, self.dropped = borrowed, False, False
 
 
+class _Stretch:
+    """A count of things in force (restores' reads, the engine's holds) and when the current unbroken
+    stretch of them began: writes wait for it to end, or until it has lasted its longest."""
+
+    __slots__ = ("count", "since")
+
+    def __init__(self):
+        self.count, self.since = 0, 0.0
+
+    def begin(self) -> None:
+        if not self.count:
+            self.since = time.monotonic()
+        self.count += 1
+
+    def end(self) -> bool:
+        """True when none is left in force."""
+        self.count -= 1
+        return not self.count
+
+    def until(self, now: float, longest: float) -> float | None:
+        """When writes may go (None: now)."""
+        return self.since + longest if self.count and now < self.since + longest else None
+
+
 class DiskWriter:
     def __init__(self, disk: DiskStore, block_bytes: int, stats, threads: int = WRITER_THREADS,
                  backlog_bytes: int | None = None):
@@ -78,10 +102,8 @@ class DiskWriter:
         self._queued: set[bytes] = set()
         self._borrowed: dict[bytes, _Block] = {}  # blocks whose data is a host-tier row, until written or detached
         self._block_done = threading.Condition(self._lock)  # a borrowed block's write ended
-        self._reads = 0  # disk reads of restores in flight (``reads_started``/``reads_done``)
-        self._reads_since = 0.0  # when the reads in flight began (monotonic), with none in between
-        self._holds = 0  # the engine thread's holds (``hold``/``release``) in force
-        self._holds_since = 0.0
+        self._reads = _Stretch()  # disk reads of restores in flight (``reads_started``/``reads_done``)
+        self._holds = _Stretch()  # the engine thread's holds (``hold``/``release``) in force
         self._no_reads = threading.Condition(self._lock)  # reads or holds ended
         self._local = threading.local()  # each thread's bounce buffer and stream, made at its first GPU pages
         self._queue: queue.Queue = queue.Queue()
@@ -138,38 +160,30 @@ class DiskWriter:
         """A restore's reads begin: writes not yet begun wait for them (up to ``READS_FIRST_MAX_S`` after
         the reads in flight began)."""
         with self._lock:
-            if not self._reads:
-                self._reads_since = time.monotonic()
-            self._reads += 1
+            self._reads.begin()
 
     def reads_done(self) -> None:
         with self._lock:
-            self._reads -= 1
-            if not self._reads:
+            if self._reads.end():
                 self._no_reads.notify_all()
 
     def hold(self) -> None:
         """The engine thread schedules and launches a step: writes not yet begun wait until ``release``
         (or ``HOLD_MAX_S`` after the holds in force began)."""
         with self._lock:
-            if not self._holds:
-                self._holds_since = time.monotonic()
-            self._holds += 1
+            self._holds.begin()
 
     def release(self) -> None:
         with self._lock:
-            self._holds -= 1
-            if not self._holds:
+            if self._holds.end():
                 self._no_reads.notify_all()
 
     def _wait_turn(self) -> None:
         """(Under the lock) until no reads nor holds are in force, or they have been for their longest."""
         while True:
-            now, until = time.monotonic(), None
-            if self._reads and now < self._reads_since + READS_FIRST_MAX_S:
-                until = self._reads_since + READS_FIRST_MAX_S
-            if self._holds and now < self._holds_since + HOLD_MAX_S:
-                until = max(until or 0.0, self._holds_since + HOLD_MAX_S)
+            now = time.monotonic()
+            ends = (self._reads.until(now, READS_FIRST_MAX_S), self._holds.until(now, HOLD_MAX_S))
+            until = max((u for u in ends if u is not None), default=None)
             if until is None:
                 return
             self._no_reads.wait(timeout=until - now)
