@@ -76,7 +76,9 @@ SAVE_PROGRAMS = 16
 # engines' 2D copies of the same 32 KiB runs 70.7-71.1, one flat copy 67 ms: the link, not the kernel, is the
 # limit); benchmarks/results/kv-upload-dma-h200-2026-12-03.md
 RESTORE_PROGRAMS = 64
-MAX_PENDING_WRITE_BYTES = 4 << 30  # gathered pages waiting for the disk writer; past it a persist is skipped
+# bytes waiting for the disk writer (``pending_write_bytes``); past it the disk is behind: a persist is not written
+# through, and a host entry evicted before its write, or a row the writer borrowed, is given up rather than copied
+MAX_PENDING_WRITE_BYTES = 4 << 30
 # parallel block reads: the H200 host's disk gave encoded blocks back at 1.94 GB/s of KV with 4 threads,
 # 2.22 with 8, 2.17 with 16 (benchmarks/disk_read_h200.py --store)
 LOADER_THREADS = 8
