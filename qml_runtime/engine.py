@@ -447,6 +447,7 @@ class Engine:
         t_start = time.perf_counter()
         batch = self.scheduler.schedule()  # (a scheduler bug fails every request: _loop's handler)
         if not batch:
+            release()  # nothing to launch: the writers need not wait for this thread
             loads = self.scheduler.loading()
             if loads:  # everything runnable waits for blocks streaming in from disk
                 futures.wait([load.future for load in loads], timeout=0.05,

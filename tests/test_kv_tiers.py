@@ -490,3 +490,35 @@ def test_disk_writes_wait_while_the_engine_schedules_and_launches_a_step(engine,
         assert off.tiers.hold_writes() is off.tiers.hold_writes() and off.tiers._writer._holds.count == 0
     finally:
         off.shutdown()
+
+
+def test_waiting_for_blocks_from_disk_does_not_hold_the_writes(engine, tmp_path, monkeypatch):
+    """When everything runnable waits for a load from disk, the engine thread launches nothing: the writer
+    threads are not held meanwhile (the loop waits up to 50 ms at a time there)."""
+    import concurrent.futures
+
+    first = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    try:
+        ids2, _ = turns(first)
+    finally:
+        first.shutdown()
+    restarted = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
+    seen, wait = [], concurrent.futures.wait
+    read = restarted.tiers._read_disk
+
+    def slow_read(*args):  # the reads take long enough that the loop waits for them
+        time.sleep(0.2)
+        return read(*args)
+
+    def watched_wait(*args, **kwargs):
+        seen.append(restarted.tiers._writer._holds.count)
+        return wait(*args, **kwargs)
+
+    restarted.tiers._read_disk = slow_read
+    monkeypatch.setattr(concurrent.futures, "wait", watched_wait)
+    try:
+        restarted.generate_sync(ids2, GREEDY)
+        assert restarted.tiers.stats.restored_disk > 0
+    finally:
+        restarted.shutdown()
+    assert seen and all(count == 0 for count in seen), seen
