@@ -40,7 +40,7 @@ class Sequence:
         self.num_committed = 0  # pages of block_table registered under their names
         self.admitted = False
         self.block_table: list[int] = []
-        self.pending_load = None  # kv.tiers.PendingLoad: blocks streaming into its pages
+        self.pending_load = None  # kv.disk_loads.PendingLoad: blocks streaming into its pages
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
