@@ -78,10 +78,6 @@ PERSIST_SHARE = 0.02
 PERSIST_BESIDE_SHARE = 0.5
 
 
-def _nothing() -> None:
-    pass
-
-
 @dataclass
 class _Add:
     seq: Sequence
@@ -435,7 +431,7 @@ class Engine:
             return None
         # the disk writer's threads wait while this thread schedules and launches (its launches release the GIL,
         # and the writers' Python took it each time): they have the host back while the device runs the step
-        release = self.tiers.hold_writes() if self.tiers is not None else _nothing
+        release = self.tiers.hold_writes() if self.tiers is not None else (lambda: None)
         try:
             return self._schedule_and_run(release)
         finally:

@@ -159,23 +159,26 @@ class DiskWriter:
     def reads_started(self) -> None:
         """A restore's reads begin: writes not yet begun wait for them (up to ``READS_FIRST_MAX_S`` after
         the reads in flight began)."""
-        with self._lock:
-            self._reads.begin()
+        self._begin(self._reads)
 
     def reads_done(self) -> None:
-        with self._lock:
-            if self._reads.end():
-                self._no_reads.notify_all()
+        self._end(self._reads)
 
     def hold(self) -> None:
         """The engine thread schedules and launches a step: writes not yet begun wait until ``release``
         (or ``HOLD_MAX_S`` after the holds in force began)."""
-        with self._lock:
-            self._holds.begin()
+        self._begin(self._holds)
 
     def release(self) -> None:
+        self._end(self._holds)
+
+    def _begin(self, stretch: _Stretch) -> None:
         with self._lock:
-            if self._holds.end():
+            stretch.begin()
+
+    def _end(self, stretch: _Stretch) -> None:
+        with self._lock:
+            if stretch.end():
                 self._no_reads.notify_all()
 
     def _wait_turn(self) -> None:

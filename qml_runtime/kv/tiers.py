@@ -316,18 +316,17 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         for old_name, old_tokens, old_slot in evicted:
             # a write through waiting for its copy: the entry goes from a copy below (not on disk, not queued)
             _, parent = self._host_writes.evicted(old_slot)
-            if self.disk is None or self._on_disk(old_name):
+            on_disk = self.disk is None or self._on_disk(old_name)
+            if on_disk or self.pending_write_bytes + self.block_bytes > MAX_PENDING_WRITE_BYTES:
+                # nothing to write: the slot simply takes the new page. Not on disk, the disk is behind: the entry
+                # leaves the cache rather than taking a 2 MiB copy of the engine thread's time and a place in a
+                # queue that only grows (on the H200 a turn right after a fresh 27k-token prompt spent 20 ms of
+                # its persist in these copies)
+                if not on_disk:
+                    self.stats.persist_skipped += 1
                 if old_slot in self._deferred_slots:  # its copy down is moot now: the slot changes hands
                     self._undefer(self._deferred_slots[old_slot])
-                continue  # nothing to write: the slot simply takes the new page
-            if self.pending_write_bytes + self.block_bytes > MAX_PENDING_WRITE_BYTES:
-                # the disk is behind: the entry leaves the cache rather than taking a 2 MiB copy of the engine
-                # thread's time and a place in a queue that only grows (on the H200 a turn right after a fresh
-                # 27k-token prompt spent 20 ms of its persist in these copies)
-                self.stats.persist_skipped += 1
-                if old_slot in self._deferred_slots:  # its copy down is moot now: the slot changes hands
-                    self._undefer(self._deferred_slots[old_slot])
-                elif self._pending.has_slot(old_slot):
+                elif not on_disk and self._pending.has_slot(old_slot):
                     self.flush_spills()  # a spill queued into the slot lands before the new page's copy
                 continue
             self._settle_slot(old_slot)  # its bytes must have landed before the CPU reads them
