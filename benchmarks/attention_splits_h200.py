@@ -11,7 +11,7 @@ count's output is checked against the automatic one's.
 
     python benchmarks/attention_splits_h200.py --out DIR
 
-Written on 2026-12-03 when that session's GPU time had run out: not run yet.
+Written on 2026-12-03 (session 15), first run in session 16: results/attention-splits-h200-2026-12-03.md.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from attention_pipeline_h200 import LLAMA, PREFILL_SPLIT_CASES, QWEN  # beside this script: the same shapes
+from graph_timing import scrubbed_graph_ms
 
 from qml_kernels.attention_decode import (
     PAGED_DECODE_ATTENTION_SPEC,
@@ -45,42 +46,13 @@ DECODE = tuple((Case(f"{name}-decode-ctx{L}", {**dims, "ctx": [L]}), layers)
                for L in (130, 386, 1024, 4096))
 
 
-def _graph_ms(calls, scrub: torch.Tensor, reps: int = 20) -> float:
-    """Median ms of one replay of a graph running ``calls`` in order, a scrub of L2 after each."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # warm up (compiles) outside the capture
-            call()
-            scrub.add_(1)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-            scrub.add_(1)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def _run(case: Case, layers: int, spec, launch, config_cls, auto: int, counts, scrub, dev) -> list[dict]:
     inputs = []
     for i in range(layers):
         gen = torch.Generator(dev).manual_seed(i)
         inputs.append(spec.make_inputs(case, torch.bfloat16, dev, gen))
     want = launch(**inputs[0], config=config_cls()).float()
-    scrub_ms = _graph_ms([lambda: None] * layers, scrub)
+    scrub_ms = scrubbed_graph_ms([lambda: None] * layers, scrub)
     rows = []
     for splits in (None, *sorted(set(counts) - {auto})):
         config = config_cls(num_splits=splits)
@@ -88,7 +60,7 @@ def _run(case: Case, layers: int, spec, launch, config_cls, auto: int, counts, s
         err = ((got - want).abs().max() / want.abs().max()).item()
         outs = [torch.empty_like(x["q"]) for x in inputs]
         calls = [lambda x=x, o=o: launch(**x, out=o, config=config) for x, o in zip(inputs, outs)]
-        ms = _graph_ms(calls, scrub) - scrub_ms
+        ms = scrubbed_graph_ms(calls, scrub) - scrub_ms
         row = {"case": case.name, "splits": auto if splits is None else splits, "auto": splits is None,
                "us_per_layer": round(ms * 1e3 / layers, 2), "rel_err": float(f"{err:.2e}")}
         rows.append(row)

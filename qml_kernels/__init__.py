@@ -26,6 +26,7 @@ OP_MODULES = (
     "qml_kernels.moe_routing",
     "qml_kernels.moe_route",
     "qml_kernels.moe_gemm",
+    "qml_kernels.moe_fused_norms",
     "qml_kernels.moe_decode",
     "qml_kernels.page_copy",
 )

@@ -67,6 +67,16 @@ def _moe_route_kernel(
     rows = tl.arange(0, BLOCK_T)
     sel_w, sel_id = _route_tile(logits_ptr, rows, T, E, stride_logits, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E,
                                 BLOCK_K)
+    _store_route(sel_w, sel_id, rows, T, E, R, weights_ptr, ids_ptr, sorted_pairs_ptr, offsets_ptr, inverse_ptr,
+                 TOP_K, ALIGN, BLOCK_T, BLOCK_E, BLOCK_K, PAD_COLS, BLOCK_TAIL)
+
+
+@triton.jit
+def _store_route(sel_w, sel_id, rows, T, E, R, weights_ptr, ids_ptr, sorted_pairs_ptr, offsets_ptr, inverse_ptr,
+                 TOP_K: tl.constexpr, ALIGN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PAD_COLS: tl.constexpr, BLOCK_TAIL: tl.constexpr):
+    """The chosen (weights, ids) [BLOCK_T, BLOCK_K] in registers -> ``moe_router``'s two outputs and
+    ``moe_align``'s three (also the tail of ``moe_fused_norms``' entry kernel)."""
     slots = tl.arange(0, BLOCK_K)
     pair = rows[:, None] * TOP_K + slots[None, :]  # [BLOCK_T, BLOCK_K]: p = t·k + j
     keep = (rows[:, None] < T) & (slots[None, :] < TOP_K)
@@ -103,10 +113,10 @@ def _num_warps(blocks: dict) -> int:
 
 
 def moe_route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, block_size: int, *,
-                     out: tuple[torch.Tensor, ...] | None = None):
+                     out: tuple[torch.Tensor, ...] | None = None, num_warps: int | None = None):
     """logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32, sorted_pairs [R], expert_offsets [E+1],
     inverse [T·k]), as ``moe_router`` then ``moe_align``; one launch (``supported`` says when).
-    ``out``: five tensors to write into, shaped and typed as the result."""
+    ``out``: five tensors to write into, shaped and typed as the result; ``num_warps`` overrides the launch's."""
     assert _supported(logits, top_k, renormalize, block_size), \
         f"moe_route: logits {tuple(logits.shape)} {logits.dtype}, top_k {top_k}: use moe_router + moe_align"
     T, E = logits.shape
@@ -122,7 +132,8 @@ def moe_route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, block_
     blocks = _blocks(T, E, top_k, block_size)
     _moe_route_kernel[(1,)](
         logits, weights, ids, sorted_pairs, offsets, inverse, T, E, R, logits.stride(0),
-        TOP_K=top_k, RENORMALIZE=bool(renormalize), ALIGN=block_size, **blocks, num_warps=_num_warps(blocks),
+        TOP_K=top_k, RENORMALIZE=bool(renormalize), ALIGN=block_size, **blocks,
+        num_warps=num_warps or _num_warps(blocks),
         **pdl.launch_args(logits),
     )
     return weights, ids, sorted_pairs, offsets, inverse

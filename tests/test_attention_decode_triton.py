@@ -92,6 +92,14 @@ def test_long_context_many_splits():
     assert err <= TOLERANCES[torch.float16], f"error {err:.2e} (seed {seed})"
 
 
+def test_split_count_gives_every_split_a_key_step():
+    """Batch 1, Qwen3-30B-A3B's 4 KV heads (128-key steps): one split per step up to the occupancy cap, so
+    no split is left empty (386 keys in 3 splits left one without a step: measured as slow as 2)."""
+    config = PagedDecodeAttentionConfig()
+    assert [decode_num_splits(1, 4, L, config) for L in (1, 128, 129, 130, 386, 1024, 4096)] == [1, 1, 2, 2, 4, 8, 32]
+    assert decode_num_splits(32, 8, 386, config) == 2  # 256 programs: the occupancy cap (2 per SM) first
+
+
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
 def test_empty_sequence_gives_zeros(config, sinks):

@@ -22,6 +22,7 @@ from tests import (
     test_attention_decode_triton,
     test_attention_prefill_triton,
     test_gemv,
+    test_moe_fused_norms,
     test_moe_gemm_triton,
     test_moe_route,
     test_moe_routing,
@@ -39,7 +40,8 @@ def _requests() -> dict[str, dict]:
     """One compile request per PDL kernel, taken from its own test module's variants."""
     out = {}
     for module in (test_gemv, test_rmsnorm_triton, test_rope_kv_write_triton, test_attention_decode_triton,
-                   test_attention_prefill_triton, test_moe_route, test_moe_gemm_triton, test_moe_routing,
+                   test_attention_prefill_triton, test_moe_route, test_moe_fused_norms, test_moe_gemm_triton,
+                   test_moe_routing,
                    test_sampling_triton, test_activations_triton):
         for variant in module.COMPILE_VARIANTS.values():
             request = {"kernel": _KERNEL_OF.get(module), **variant}
@@ -64,7 +66,8 @@ def test_every_decode_kernel_is_covered():
     # the kernels a decode step launches (Llama and Qwen3-MoE), each under the PTX check below
     assert {"_gemv_kernel", "_rmsnorm_kernel", "_rope_kv_write_kernel", "_paged_decode_attention_kernel",
             "_paged_decode_attention_merge_kernel", "_paged_prefill_attention_kernel", "_moe_route_kernel",
-            "_moe_gemm_kernel", "_moe_combine_kernel", "_sample_kernel", "_gated_activation_kernel"} <= set(REQUESTS)
+            "_moe_gemm_kernel", "_moe_combine_kernel", "_sample_kernel", "_gated_activation_kernel",
+            "_moe_norm_route_kernel", "_moe_combine_rmsnorm_kernel"} <= set(REQUESTS)
 
 
 @pytest.mark.parametrize("name", sorted(REQUESTS))

@@ -157,6 +157,34 @@ def test_moe_kernels_in_the_model_match_transformers(hf):
     assert rel < REL_TOL, f"{name}: {rel:.2e}"
 
 
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_moe_decode_path_with_fused_norms_matches_transformers(hf, monkeypatch, impl):
+    """Up to four tokens a MoE layer runs between the fused entry (norm, router, routing) and exit (combine,
+    next norm) of ``qml_kernels.moe_fused_norms``: with the references it equals the separate ops bit for bit
+    (the references are their compositions), with the Triton kernels (interpreter) it matches transformers."""
+    from qml_kernels import moe_fused_norms
+
+    name, hf_model, folder = hf
+    if not CONFIGS[name][2]:
+        pytest.skip("dense model: no experts")
+    model = _load_folder(folder)
+    calls = []
+    real = moe_fused_norms.moe_norm_route
+    monkeypatch.setattr("qml_runtime.models.qwen3.moe_norm_route", lambda *a: calls.append(a) or real(*a))
+    ops = ("moe_norm_route", "moe_combine_rmsnorm", "moe_gemm")
+    with registry.using(**dict.fromkeys(ops, impl)):
+        for prompt in ([77], PROMPT[:3]):
+            monkeypatch.setattr(moe_fused_norms, "FUSED_MOE_NORM", True)
+            fused = prefill_logits(model, prompt)
+            monkeypatch.setattr(moe_fused_norms, "FUSED_MOE_NORM", False)
+            separate = prefill_logits(model, prompt)
+            if impl == "reference":
+                assert torch.equal(fused, separate), f"{name} ({len(prompt)} tokens)"
+            rel = _rel(fused, _hf_logits(hf_model, prompt))
+            assert rel < REL_TOL, f"{name} {impl} ({len(prompt)} tokens): {rel:.2e}"
+    assert len(calls) == 2 * len(CONFIGS[name][2]), "the fused entry ran once per MoE layer and prompt"
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_qk_norms_folded_or_not_match_transformers(hf, monkeypatch, impl, fused):

@@ -14,6 +14,7 @@ from torch import nn
 from qml_kernels.activations import swiglu
 from qml_kernels.attention import AttentionMetadata, paged_attention
 from qml_kernels.linear import linear
+from qml_kernels.moe_fused_norms import combine_add_rmsnorm
 from qml_kernels.rmsnorm import add_rmsnorm, rmsnorm
 from qml_kernels.rope import RopeScaling, rope_cos_sin, rope_inv_freq
 from qml_kernels.rope_kv_write import rope_kv_write
@@ -50,6 +51,13 @@ class LlamaLayer(nn.Module):
     def mlp(self, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
         return linear(swiglu(linear(x, self.w_gate_up)), self.w_down)
+
+    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor, cfg: ModelConfig):
+        """The attention's output h and the residual stream -> (the FFN's output, the new residual): the
+        residual add and RMSNorm, then ``mlp``. The output may be a ``PendingCombine`` (qwen3.py), which the
+        next norm takes in (``combine_add_rmsnorm``)."""
+        x, residual = add_rmsnorm(h, residual, self.mlp_norm, cfg.rms_eps)
+        return self.mlp(x, cfg), residual
 
 
 class LlamaModel(nn.Module):
@@ -97,7 +105,7 @@ class LlamaModel(nn.Module):
             if residual is None:
                 x, residual = rmsnorm(h, layer.attn_norm, cfg.rms_eps), h
             else:
-                x, residual = add_rmsnorm(h, residual, layer.attn_norm, cfg.rms_eps)
+                x, residual = combine_add_rmsnorm(h, residual, layer.attn_norm, cfg.rms_eps)
             q, k, v = layer.split_qkv(linear(x, layer.wqkv), cfg)  # [T, H, Dh], [T, Hkv, Dh] x 2
             k_cache, v_cache = kv.layer(i)
             # one launch: q rotates in place (inside the fused qkv buffer for Llama), rotated k and v
@@ -107,9 +115,8 @@ class LlamaModel(nn.Module):
                           q_norm=q_norm, k_norm=k_norm, norm_eps=cfg.rms_eps)
             o = paged_attention(q, k_cache, v_cache, meta, scale)  # [T, H, Dh]
             h = linear(o.reshape(T, H * Dh), layer.wo)  # [T, D]
-            x, residual = add_rmsnorm(h, residual, layer.mlp_norm, cfg.rms_eps)
-            h = layer.mlp(x, cfg)  # [T, D]
-        out, _ = add_rmsnorm(h, residual, self.norm, cfg.rms_eps)
+            h, residual = layer.feed_forward(h, residual, cfg)  # [T, D], or a MoE layer's PendingCombine
+        out, _ = combine_add_rmsnorm(h, residual, self.norm, cfg.rms_eps)
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from qml_kernels.linear import linear
-from qml_kernels.moe_gemm import moe_forward
+from qml_kernels.moe_fused_norms import PendingCombine, fused_ffn_applies, moe_norm_route
+from qml_kernels.moe_gemm import moe_block_size, moe_forward, moe_gemm
 from qml_kernels.rmsnorm import rmsnorm
 from qml_runtime.config import ModelConfig
 from qml_runtime.models import llama
@@ -80,6 +81,21 @@ class Qwen3Layer(llama.LlamaLayer):
             return moe_forward(x, router_logits, self.experts_gate_up, self.experts_down,
                                cfg.num_experts_per_tok, cfg.norm_topk_prob)
         return super().mlp(x, cfg)
+
+    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor, cfg: ModelConfig):
+        """With ``QML_FUSED_MOE_NORM=1``, a decode-sized MoE layer runs between two fused launches
+        (qml_kernels.moe_fused_norms): the residual add, RMSNorm, router and routing in one, the two grouped
+        GEMMs, and the combine left for the next norm to take in (a ``PendingCombine``). Off by default (no
+        faster on the H200 under PDL); larger batches and dense layers always keep the separate ops."""
+        k = cfg.num_experts_per_tok
+        if not (self.sparse and fused_ffn_applies(h, self.router, k)):
+            return super().feed_forward(h, residual, cfg)
+        T, E = h.shape[0], cfg.num_experts
+        block = moe_block_size(T * k, E)
+        x, residual, weights, _, sorted_pairs, offsets, _ = moe_norm_route(
+            h, residual, self.mlp_norm, cfg.rms_eps, self.router, k, cfg.norm_topk_prob, block)
+        gated = moe_gemm(x, self.experts_gate_up, sorted_pairs, offsets, block, k, swiglu=True)  # [T·k, I]
+        return PendingCombine(moe_gemm(gated, self.experts_down, sorted_pairs, offsets, block, 1), weights), residual
 
 
 class Qwen3Model(llama.LlamaModel):
