@@ -47,7 +47,8 @@ class _Recorder:
     def __call__(self, *args, **kwargs):
         if self.mode == "record":
             out = self.fn(*args, **kwargs)
-            self.outputs.append(out)
+            # a copy: the ops after it may work in place on what it returned (RoPE rotates the QKV output)
+            self.outputs.append(_copy(out))
             return out
         if self.mode == "replay" and self.skip(*args, **kwargs):
             out = self.outputs[self.i % len(self.outputs)]
@@ -55,6 +56,14 @@ class _Recorder:
             return out
         self.i += 1
         return self.fn(*args, **kwargs)
+
+
+def _copy(out):
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple):
+        return tuple(_copy(o) for o in out)
+    return out
 
 
 def _ops(model, cfg) -> dict[str, tuple]:
@@ -88,6 +97,71 @@ def _ops(model, cfg) -> dict[str, tuple]:
     return ops
 
 
+def decode_step(preset: str, context: int, device: str):
+    """(step, model, config): ``step()`` runs the preset's forward over one token after ``context`` cached
+    keys and its logits head, as the engine's decode graph does (without the sampler)."""
+    dev = torch.device(device)
+    engine = load_engine(f"preset:{preset}", random_weights=True, device=device, kv_cache_gib=4,
+                         max_num_seqs=1, progress=False, cuda_graphs=False)
+    model, kv, cfg = engine.runner.model, engine.kv, engine.model_config
+    S, L = kv.block_size, context
+    pages = -(-(L + 1) // S)
+    meta = AttentionMetadata.build([L], [list(range(pages))], [0, 1], [L + 1], dev)  # the token's slot: position L
+    # a history of unit-scale keys and values (the pool starts at zero; any values time the same, but a
+    # softmax over real-looking scores keeps the routing downstream away from ties)
+    kv.data[:, :, :pages].normal_(generator=torch.Generator(dev).manual_seed(0))
+    ids = torch.tensor([300], device=dev)
+    pos = torch.tensor([L], device=dev)
+
+    def step():
+        return model.logits(model(ids, pos, kv, meta))
+
+    return step, model, cfg
+
+
+def timed(fn, cuda: bool, reps: int) -> float:
+    """Median ms of ``fn()``: a CUDA graph's replay on a GPU, an eager call on CPU."""
+    if not cuda:
+        times = []
+        for _ in range(max(3, reps // 10)):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def left_out(module, fn_name: str, skip, step):
+    """Within: ``module.fn_name`` is a ``_Recorder`` that has recorded one real ``step()`` and returns those
+    outputs at the calls ``skip`` names, launching nothing there. Yields the recorder."""
+    rec = _Recorder(module, fn_name, skip)
+    setattr(module, fn_name, rec)
+    try:
+        rec.mode = "record"
+        step()
+        rec.mode, rec.i = "replay", 0
+        yield rec
+    finally:
+        setattr(module, fn_name, rec.fn)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
@@ -98,49 +172,9 @@ def main() -> int:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
-    engine = load_engine(f"preset:{args.preset}", random_weights=True, device=args.device, kv_cache_gib=4,
-                         max_num_seqs=1, progress=False, cuda_graphs=False)
-    model, kv, cfg = engine.runner.model, engine.kv, engine.model_config
-    S, L = kv.block_size, args.context
-    pages = -(-(L + 1) // S)
-    table = list(range(pages))
-    meta = AttentionMetadata.build([L], [table], [0, 1], [L + 1], dev)  # the new token's slot: position L
-    # a history of unit-scale keys and values (the pool starts at zero; any values time the same, but a
-    # softmax over real-looking scores keeps the routing downstream away from ties)
-    kv.data[:, :, :pages].normal_(generator=torch.Generator(dev).manual_seed(0))
-    ids = torch.tensor([300], device=dev)
-    pos = torch.tensor([L], device=dev)
+    step, model, cfg = decode_step(args.preset, args.context, args.device)
+    L = args.context
     cuda = dev.type == "cuda"
-
-    def step():
-        return model.logits(model(ids, pos, kv, meta))
-
-    def timed(fn) -> float:
-        """Median ms of the step: a graph's replay on a GPU, an eager call on CPU."""
-        if cuda:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()  # compiles, and the recorders' replay index check
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            times = []
-            for _ in range(args.reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            return statistics.median(times)
-        times = []
-        for _ in range(max(3, args.reps // 10)):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
 
     import triton
 
@@ -151,18 +185,12 @@ def main() -> int:
     result = {"meta": meta_out, "rows": rows}
     path = args.out / f"decode-ablation-{args.preset}.json"
     with torch.inference_mode():
-        full = result["step_ms"] = round(timed(step), 4)
+        full = result["step_ms"] = round(timed(step, cuda, args.reps), 4)
         print(f"{args.preset}, batch 1, {L} cached keys: {full:.3f} ms a step", flush=True)
         for name, (module, fn_name, skip) in _ops(model, cfg).items():
-            rec = _Recorder(module, fn_name, skip)
-            with contextlib.ExitStack() as undo:
-                setattr(module, fn_name, rec)
-                undo.callback(setattr, module, fn_name, rec.fn)
-                rec.mode = "record"
-                step()
+            with left_out(module, fn_name, skip, step) as rec:
                 calls = len(rec.outputs)
-                rec.mode, rec.i = "replay", 0
-                without = timed(lambda: (setattr(rec, "i", 0), step())[1])
+                without = timed(lambda: (setattr(rec, "i", 0), step())[1], cuda, args.reps)
             row = {"op": name, "step_ms_without": round(without, 4), "share_us": round((full - without) * 1e3, 1),
                    "calls_recorded": calls}
             rows.append(row)
