@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from graph_timing import graph_ms  # beside this script
 
 from qml_kernels.attention import AttentionMetadata
 from qml_runtime.loader import load_engine
@@ -121,29 +122,13 @@ def decode_step(preset: str, context: int, device: str):
 
 def timed(fn, cuda: bool, reps: int) -> float:
     """Median ms of ``fn()``: a CUDA graph's replay on a GPU, an eager call on CPU."""
-    if not cuda:
-        times = []
-        for _ in range(max(3, reps // 10)):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    if cuda:
+        return graph_ms(fn, reps)
     times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    for _ in range(max(3, reps // 10)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
