@@ -313,9 +313,15 @@ def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.T
     else:
         weights, ids = moe_router(router_logits, top_k, renormalize)  # [T, k] each
         sorted_pairs, offsets, _ = moe_align(ids, E, block)
+    return moe_combine(moe_experts(x, w_gate_up, w_down, sorted_pairs, offsets, block, top_k), weights)
+
+
+def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, sorted_pairs: torch.Tensor,
+                offsets: torch.Tensor, block: int, top_k: int) -> torch.Tensor:
+    """The experts of grouped pairs: gate-up GEMM with the SwiGLU fused, then the down GEMM.
+    x: [T, D] -> each pair's expert output [T·k, D], in pair order (before the combine)."""
     h = moe_gemm(x, w_gate_up, sorted_pairs, offsets, block, top_k, swiglu=True)  # [T·k, I]
-    y = moe_gemm(h, w_down, sorted_pairs, offsets, block, 1)  # [T·k, D]
-    return moe_combine(y, weights)
+    return moe_gemm(h, w_down, sorted_pairs, offsets, block, 1)
 
 
 def moe_forward_ref(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

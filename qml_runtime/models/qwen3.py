@@ -26,7 +26,7 @@ from torch import nn
 
 from qml_kernels.linear import linear
 from qml_kernels.moe_fused_norms import PendingCombine, fused_ffn_applies, moe_norm_route
-from qml_kernels.moe_gemm import moe_block_size, moe_forward, moe_gemm
+from qml_kernels.moe_gemm import moe_block_size, moe_experts, moe_forward
 from qml_kernels.rmsnorm import rmsnorm
 from qml_runtime.config import ModelConfig
 from qml_runtime.models import llama
@@ -94,8 +94,8 @@ class Qwen3Layer(llama.LlamaLayer):
         block = moe_block_size(T * k, E)
         x, residual, weights, _, sorted_pairs, offsets, _ = moe_norm_route(
             h, residual, self.mlp_norm, cfg.rms_eps, self.router, k, cfg.norm_topk_prob, block)
-        gated = moe_gemm(x, self.experts_gate_up, sorted_pairs, offsets, block, k, swiglu=True)  # [T·k, I]
-        return PendingCombine(moe_gemm(gated, self.experts_down, sorted_pairs, offsets, block, 1), weights), residual
+        y = moe_experts(x, self.experts_gate_up, self.experts_down, sorted_pairs, offsets, block, k)  # [T·k, D]
+        return PendingCombine(y, weights), residual
 
 
 class Qwen3Model(llama.LlamaModel):
