@@ -28,6 +28,13 @@ E, K_TOP, D, I = 128, 8, 2048, 768
 
 
 def configs(grid: str = "full"):
+    if grid == "order":  # the launcher's prefill tiles in both launch orders (MoEGemmConfig.columns_first)
+        for block_size in (64, 128):
+            for swiglu in (True, False):
+                base = moe_gemm_config(block_size, swiglu)
+                for cfg in (base, dataclasses.replace(base, columns_first=not base.columns_first)):
+                    yield block_size, cfg
+        return
     if grid == "tma":  # the launcher's prefill tiles and a few around them, weights by pointer and by TMA
         for block_size in (64, 128):
             base = moe_gemm_config(block_size)
@@ -43,12 +50,40 @@ def configs(grid: str = "full"):
         yield block_size, MoEGemmConfig(block_m, block_n, block_k, warps, stages)
 
 
+def grouped_mm_row(name: str, T: int, ids: torch.Tensor, x, h, w_gate_up, w_down, flops: int) -> dict:
+    """torch._grouped_mm (CUTLASS) on the same product: the GEMM alone on rows already in expert order
+    (``gemm_us``), and with what it needs around it to do our kernel's work (``with_gather_us``: the
+    activation rows gathered into expert order; gate-up also the SwiGLU over its [T·k, 2I] output)."""
+    order = ids.flatten().argsort(stable=True)  # pairs in expert order
+    offs = torch.bincount(ids.flatten(), minlength=E).cumsum(0).to(torch.int32)
+    if name == "gate-up":
+        w, rows = w_gate_up.transpose(1, 2), order // K_TOP
+        a_src = x
+    else:
+        w, rows, a_src = w_down.transpose(1, 2), order, h
+    a = a_src[rows].contiguous()
+    gemm = lambda: torch._grouped_mm(a, w, offs=offs)  # noqa: E731
+
+    def whole():
+        y = torch._grouped_mm(a_src[rows], w, offs=offs)
+        if name == "gate-up":
+            gate, up = y.chunk(2, dim=-1)
+            y = torch.nn.functional.silu(gate) * up
+        return y
+
+    us = do_bench(gemm, warmup=10, rep=50, return_mode="median") * 1e3
+    whole_us = do_bench(whole, warmup=10, rep=50, return_mode="median") * 1e3
+    return {"gemm": name, "T": T, "kernel": "torch._grouped_mm", "gemm_us": round(us, 1),
+            "TFLOP_per_s": round(flops / us / 1e6, 1), "with_gather_us": round(whole_us, 1)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", default="512,2048,8192")
-    parser.add_argument("--grid", choices=("full", "tma"), default="full",
-                        help="tma: the launcher's prefill tiles and neighbours, each with and without TMA weight loads")
+    parser.add_argument("--grid", choices=("full", "tma", "order"), default="full",
+                        help="tma: the launcher's prefill tiles and neighbours, each with and without TMA weight loads; "
+                             "order: the launcher's tiles in both launch orders, and torch._grouped_mm beside them")
     args = parser.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     w_gate_up = (torch.randn(E, 2 * I, D, device="cuda", generator=gen) * D**-0.5).bfloat16()
@@ -74,12 +109,15 @@ def main() -> int:
                     continue
                 row = {"gemm": name, "T": T, "block_size": block_size, **cfg.__dict__, "us": round(us, 1),
                        "TFLOP_per_s": round(flops / us / 1e6, 1), "default": block_size == default_block and cfg
-                       == moe_gemm_config(block_size)}
+                       == moe_gemm_config(block_size, name == "gate-up")}
                 rows.append(row)
                 if (name, T) not in best or us < best[name, T]["us"]:
                     best[name, T] = row
             default_us = next(r["us"] for r in rows if r["default"] and r["gemm"] == name and r["T"] == T)
             print(f"{name:<8}T={T:<6} default {default_us:8.1f} us   best {best[name, T]}", flush=True)
+            if args.grid == "order" and hasattr(torch, "_grouped_mm"):
+                rows.append(grouped_mm_row(name, T, ids, x, h, w_gate_up, w_down, flops))
+                print(f"{name:<8}T={T:<6} torch._grouped_mm {rows[-1]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.date.today().isoformat()
     meta = {"date": stamp, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

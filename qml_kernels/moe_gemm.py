@@ -74,6 +74,10 @@ class MoEGemmConfig:
     # weight tiles through a TMA tensor descriptor (``w`` seen as [E·N, K]) instead of pointer loads; the
     # activation rows are gathered by pair, so they stay pointer loads
     tma_weights: bool = False
+    # launch order: every column tile of a row tile before the next row tile (each gathered activation
+    # tile is read from HBM once, then from L2), or (False) every row tile of a column tile before the
+    # next column tile, which streams all of the activations again for each column tile
+    columns_first: bool = True
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -145,12 +149,20 @@ def moe_block_size(num_pairs: int, num_experts: int) -> int:
 def _moe_gemm_kernel(
     a_ptr, w_ptr, w_desc, out_ptr, sorted_pairs_ptr, offsets_ptr,
     N_OUT, K, E, stride_a, stride_we, stride_wn, stride_out,
+    NUM_M, NUM_N,
     PAIRS_PER_ROW: tl.constexpr, SWIGLU: tl.constexpr, PRECISION: tl.constexpr, TMA_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    PDL: tl.constexpr,
+    COLUMNS_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
-    first_row = tl.program_id(0) * BLOCK_M
+    pid = tl.program_id(0)  # programs start in this order: see MoEGemmConfig.columns_first
+    if COLUMNS_FIRST:
+        tile_m = pid // NUM_N
+        tile_n = pid % NUM_N
+    else:
+        tile_m = pid % NUM_M
+        tile_n = pid // NUM_M
+    first_row = tile_m * BLOCK_M
     used_rows = tl.load(offsets_ptr + E)
     if first_row >= used_rows:
         return  # past the last expert's segment: nothing to read or write
@@ -162,7 +174,7 @@ def _moe_gemm_kernel(
     pairs = tl.load(sorted_pairs_ptr + first_row + tl.arange(0, BLOCK_M))  # [BLOCK_M], -1: padding
     real = pairs >= 0
     a_rows = tl.where(real, pairs // PAIRS_PER_ROW, 0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     col_ok = cols < N_OUT
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + ks[None, :]  # [BLOCK_M, BLOCK_K]
@@ -170,7 +182,7 @@ def _moe_gemm_kernel(
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
     # TMA_W: the tile's weight rows in w seen as [E·N, K] (N = N_OUT, or 2·N_OUT with swiglu); TMA fills
     # what lies past K or past the last expert with zeros, and columns past N_OUT are never stored
-    w_row = expert * (2 * N_OUT if SWIGLU else N_OUT) + tl.program_id(1) * BLOCK_N
+    w_row = expert * (2 * N_OUT if SWIGLU else N_OUT) + tile_n * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -238,10 +250,11 @@ def moe_gemm_triton(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor
     tma = config.tma_weights and _tma_weights_ok(w)
     # w as [E·N, K] rows for the descriptor (tma); otherwise w itself, never read through it
     w_desc = TensorDescriptor.from_tensor(w.view(E * N, K), [block_n, block_k]) if tma else w
-    _moe_gemm_kernel[(R // block_m, triton.cdiv(n_out, block_n))](
+    num_m, num_n = R // block_m, triton.cdiv(n_out, block_n)
+    _moe_gemm_kernel[(num_m * num_n,)](
         a, w, w_desc, out, sorted_pairs, expert_offsets,
-        n_out, K, E, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        PAIRS_PER_ROW=pairs_per_row, SWIGLU=bool(swiglu), TMA_W=tma,
+        n_out, K, E, a.stride(0), w.stride(0), w.stride(1), out.stride(0), num_m, num_n,
+        PAIRS_PER_ROW=pairs_per_row, SWIGLU=bool(swiglu), TMA_W=tma, COLUMNS_FIRST=config.columns_first,
         # fp32 in full precision, as torch's default fp32 matmul (TF32 off)
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E),

@@ -44,6 +44,8 @@ CONFIGS = {
     "default": MoEGemmConfig(),
     # 16x16x16 tiles: several tiles per expert segment, several column tiles and K steps
     "small-tiles": MoEGemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1),
+    # the other launch order (every row tile of a column tile first): same tiles, same results
+    "small-tiles-rows-first": MoEGemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1, columns_first=False),
     # what the launcher picks for 16-row segments: one tile for K <= 128 in the small cases
     "decode": SMALL_TILE_CONFIG,
     "decode-down": SMALL_DOWN_TILE_CONFIG,
@@ -245,9 +247,10 @@ def _signature(config: MoEGemmConfig) -> dict:
     return {
         "a_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": w_desc, "out_ptr": "*bf16", "sorted_pairs_ptr": "*i32",
         "offsets_ptr": "*i32", "N_OUT": "i32", "K": "i32", "E": "i32", "stride_a": "i32", "stride_we": "i32",
-        "stride_wn": "i32", "stride_out": "i32", "PAIRS_PER_ROW": "constexpr", "SWIGLU": "constexpr",
+        "stride_wn": "i32", "stride_out": "i32", "NUM_M": "i32", "NUM_N": "i32",
+        "PAIRS_PER_ROW": "constexpr", "SWIGLU": "constexpr",
         "PRECISION": "constexpr", "TMA_W": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-        "BLOCK_K": "constexpr", "BLOCK_E": "constexpr",
+        "BLOCK_K": "constexpr", "BLOCK_E": "constexpr", "COLUMNS_FIRST": "constexpr",
     }
 
 
@@ -257,7 +260,8 @@ def _variant(block_size: int, swiglu: bool, pairs_per_row: int, config: MoEGemmC
     config = config or moe_gemm_config(block_size, swiglu)
     constexprs = {"PAIRS_PER_ROW": pairs_per_row, "SWIGLU": swiglu, "PRECISION": "tf32",
                   "TMA_W": config.tma_weights, "BLOCK_M": min(config.block_m, block_size),
-                  "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "BLOCK_E": 128}
+                  "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "BLOCK_E": 128,
+                  "COLUMNS_FIRST": config.columns_first}
     divisible = ("N_OUT", "K", "stride_a", "stride_we", "stride_wn", "stride_out")
     return {"signature": _signature(config), "constexprs": constexprs, "num_warps": config.num_warps,
             "num_stages": config.num_stages, "divisible": divisible}
@@ -273,6 +277,8 @@ COMPILE_VARIANTS = {
     "gate-up-swiglu-16-rows-default-tiles": _variant(16, True, 8, MoEGemmConfig()),
     "gate-up-swiglu-long-prefill-pointer-loads": _variant(128, True, 8,
                                                           dataclasses.replace(LARGE_TILE_CONFIG, tma_weights=False)),
+    "gate-up-swiglu-long-prefill-rows-first": _variant(128, True, 8,
+                                                       dataclasses.replace(LARGE_TILE_CONFIG, columns_first=False)),
 }
 # programs of the decode tiles that must fit on one SM together (228 KB of shared memory on Hopper),
 # so that the weight bytes in flight per SM are what SMALL_TILE_CONFIG's comment counts
