@@ -34,6 +34,11 @@ def configs(grid: str = "full"):
                 base = moe_gemm_config(block_size, swiglu)
                 for cfg in (base, dataclasses.replace(base, columns_first=not base.columns_first)):
                     yield block_size, cfg
+        # and tiles around them, columns first
+        for block_size, block_m, block_n, block_k, warps, stages in (
+                (128, 64, 64, 64, 4, 3), (128, 64, 128, 64, 4, 3), (128, 128, 64, 64, 4, 3), (128, 128, 64, 64, 8, 4),
+                (128, 128, 128, 64, 8, 4), (64, 64, 64, 64, 4, 4), (64, 64, 128, 64, 4, 3), (64, 64, 64, 128, 4, 3)):
+            yield block_size, MoEGemmConfig(block_m, block_n, block_k, warps, stages, tma_weights=True)
         return
     if grid == "tma":  # the launcher's prefill tiles and a few around them, weights by pointer and by TMA
         for block_size in (64, 128):
@@ -62,7 +67,7 @@ def grouped_mm_row(name: str, T: int, ids: torch.Tensor, x, h, w_gate_up, w_down
     else:
         w, rows, a_src = w_down.transpose(1, 2), order, h
     a = a_src[rows].contiguous()
-    gemm = lambda: torch._grouped_mm(a, w, offs=offs)  # noqa: E731
+    gemm = lambda: torch._grouped_mm(a, w, offs=offs)
 
     def whole():
         y = torch._grouped_mm(a_src[rows], w, offs=offs)
@@ -113,7 +118,7 @@ def main() -> int:
                 rows.append(row)
                 if (name, T) not in best or us < best[name, T]["us"]:
                     best[name, T] = row
-            default_us = next(r["us"] for r in rows if r["default"] and r["gemm"] == name and r["T"] == T)
+            default_us = next(r["us"] for r in rows if r.get("default") and r["gemm"] == name and r["T"] == T)
             print(f"{name:<8}T={T:<6} default {default_us:8.1f} us   best {best[name, T]}", flush=True)
             if args.grid == "order" and hasattr(torch, "_grouped_mm"):
                 rows.append(grouped_mm_row(name, T, ids, x, h, w_gate_up, w_down, flops))
