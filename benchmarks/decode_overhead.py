@@ -64,7 +64,9 @@ def forward_graphs(engine, reps: int) -> dict:
         pages = -(-(L + 1) // S)
         ids, pos = torch.tensor([300], device=dev), torch.tensor([L], device=dev)
         for split_for in ("context", "longest"):
-            meta = AttentionMetadata.build([L], [list(range(pages))], [0, 1], [L + 1], dev)
+            # tables as wide as the graphs' (the launcher checks they can hold the context it sizes for)
+            table = list(range(pages)) + [0] * (graphs.max_pages - pages)
+            meta = AttentionMetadata.build([L], [table], [0, 1], [L + 1], dev)
             if split_for == "longest":
                 meta.context_lens_host = [longest]
             for sampler in (False, True):

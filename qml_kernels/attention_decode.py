@@ -110,6 +110,12 @@ def _paged_decode_attention_kernel(
     # the last one are partial; every step still holds a visible key, so no row max is -inf
     first = (lo // BLOCK_N) * BLOCK_N
     n_steps = tl.cdiv(L - first, BLOCK_N)
+    if not DIRECT:
+        # a split past this sequence's key steps has nothing to do and stores nothing: the merge reads
+        # only the first min(num_splits, n_steps) (``_active_splits``). A CUDA graph captures the split
+        # count of its longest context; at a short one most of its programs end here
+        if split >= n_steps:
+            return
     per_split = tl.cdiv(n_steps, num_splits)
     step_lo = split * per_split
     step_hi = tl.minimum(step_lo + per_split, n_steps)
@@ -172,19 +178,38 @@ def _paged_decode_attention_kernel(
 
 
 @triton.jit
+def _active_splits(context_lens_ptr, b, num_splits, window,
+                   HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The splits of sequence ``b`` that stage 1 ran: one per key step, at most ``num_splits`` (the
+    others returned before storing anything). The same step count as the kernel's."""
+    L = tl.load(context_lens_ptr + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(L - window, 0)
+    first = (lo // BLOCK_N) * BLOCK_N
+    return tl.minimum(tl.cdiv(L - first, BLOCK_N), num_splits)
+
+
+@triton.jit
 def _paged_decode_attention_merge_kernel(
-    part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr,
-    H, num_splits, stride_o_t, stride_o_h,
+    part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, context_lens_ptr,
+    H, num_splits, window, stride_o_t, stride_o_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PDL: tl.constexpr,
+    ACTIVE_FROM_LENS: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    # ACTIVE_FROM_LENS: decode's stage 1 stores only the splits a sequence's key steps reach
+    # (``_active_splits`` of its context length); off, every split was stored (the prefill's split-KV
+    # launch, whose workspace has this layout with one row per query token; context_lens_ptr unread)
     pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_SPLITS)  # [BLOCK_SPLITS]
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     part = (b * H + h) * num_splits + sp
-    lse = tl.load(part_lse_ptr + part, mask=sp < num_splits, other=float("-inf"))
+    active = num_splits
+    if ACTIVE_FROM_LENS:
+        active = _active_splits(context_lens_ptr, b, num_splits, window, HAS_WINDOW, BLOCK_N)
+    lse = tl.load(part_lse_ptr + part, mask=sp < active, other=float("-inf"))
     used = lse > float("-inf")
     top = tl.max(lse, axis=0)
     top = tl.where(top > float("-inf"), top, 0.0)  # no keys at all (L = 0): keeps the weights 0, not NaN
@@ -261,7 +286,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     max_keys = max_len if sliding_window is None else min(max_len, sliding_window)
     splits = decode_num_splits(T, Hkv, max_keys, config)
     group = H // Hkv
-    block_d = triton.next_power_of_2(Dh)
+    block_d, block_n = triton.next_power_of_2(Dh), config.keys_per_step(Dh)
     if splits == 1:
         part_o = part_lse = out  # unused: stage 1 writes out itself
     else:
@@ -281,16 +306,19 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=Dh, PAGE_SIZE=S,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=config.keys_per_step(Dh),
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         DIRECT=splits == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(q),
     )
     if splits > 1:
         _paged_decode_attention_merge_kernel[(T, H)](
-            part_o, part_lse, sinks_arg, out, H, splits, out.stride(0), out.stride(1),
+            part_o, part_lse, sinks_arg, out, meta.context_lens, H, splits, sliding_window or 0,
+            out.stride(0), out.stride(1),
             HEAD_DIM=Dh, BLOCK_D=block_d, BLOCK_SPLITS=triton.next_power_of_2(splits),
-            HAS_SINKS=sinks is not None, num_warps=4, **pdl.launch_args(q),
+            HAS_SINKS=sinks is not None, ACTIVE_FROM_LENS=True, HAS_WINDOW=sliding_window is not None,
+            BLOCK_N=block_n,
+            num_warps=4, **pdl.launch_args(q),
         )
     return out
 

@@ -511,9 +511,10 @@ def paged_prefill_attention_triton(
     if splits > 1:
         # decode's merge: its workspace layout [rows, H, splits, Dh] is this one with rows = tokens
         _paged_decode_attention_merge_kernel[(T, H)](
-            part_o, part_lse, sinks_arg, out, H, splits, out.stride(0), out.stride(1),
+            part_o, part_lse, sinks_arg, out, part_lse, H, splits, 0, out.stride(0), out.stride(1),
             HEAD_DIM=Dh, BLOCK_D=Dh, BLOCK_SPLITS=triton.next_power_of_2(splits),
-            HAS_SINKS=sinks is not None, num_warps=4, **pdl.launch_args(q),
+            HAS_SINKS=sinks is not None, ACTIVE_FROM_LENS=False, HAS_WINDOW=False, BLOCK_N=16,
+            num_warps=4, **pdl.launch_args(q),
         )
     return out
 

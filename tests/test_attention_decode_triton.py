@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from qml_kernels import registry
+from qml_kernels import attention_decode, registry
 from qml_kernels.attention import AttentionMetadata, paged_attention_ref
 from qml_kernels.attention_decode import (
     PAGED_DECODE_ATTENTION_SPEC,
@@ -98,6 +98,36 @@ def test_split_count_gives_every_split_a_key_step():
     config = PagedDecodeAttentionConfig()
     assert [decode_num_splits(1, 4, L, config) for L in (1, 128, 129, 130, 386, 1024, 4096)] == [1, 1, 2, 2, 4, 8, 32]
     assert decode_num_splits(32, 8, 386, config) == 2  # 256 programs: the occupancy cap (2 per SM) first
+
+
+@pytest.mark.parametrize("window", [None, 1000], ids=["full", "window-1000"])
+def test_split_count_of_a_longer_context_as_a_graph_captures_it(monkeypatch, window):
+    """A CUDA graph sizes the split count for its longest context (host lengths of 4,096 keys here) and
+    replays it over short ones: splits past a sequence's key steps return without storing, and the merge
+    reads only the splits a sequence's steps reach. The workspace is NaN-poisoned: a merge that read one
+    split too many would give NaN."""
+    case = Case("graph", {"ctx": [1, 130, 1300, 0, 129], "H": 4, "Hkv": 2, "Dh": 64, "S": 16, "shuffle": True,
+                          "window": window, "sinks": True})
+    seed, inputs = _inputs(case, torch.float32)
+    expected = _expected(inputs)
+    meta, config = inputs["meta"], PagedDecodeAttentionConfig(block_n=64)
+    longest = 4096
+    wide = torch.zeros(meta.num_seqs, longest // 16, dtype=torch.int32, device=DEVICE)
+    wide[:, :meta.block_tables.shape[1]] = meta.block_tables
+    inputs["meta"] = dataclasses.replace(meta, block_tables=wide, context_lens_host=[longest] * meta.num_seqs)
+    assert decode_num_splits(meta.num_seqs, 2, longest if window is None else window, config) > 4
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.dtype == torch.float32 else t
+
+    monkeypatch.setattr(attention_decode.torch, "empty", poisoned)
+    out = torch.full(inputs["q"].shape, 7.0, dtype=torch.float32, device=DEVICE)
+    got = paged_decode_attention_triton(**inputs, out=out, config=config)
+    monkeypatch.undo()
+    assert torch.equal(got[3], torch.zeros_like(got[3])), "the sequence without keys"
+    assert _rel_err(got, expected) <= TOLERANCES[torch.float32], f"seed {seed}"
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -211,8 +241,10 @@ _SIGNATURE = {
                                       "HAS_WINDOW", "HAS_SOFTCAP", "HAS_SINKS", "DIRECT", "DOT_PRECISION")},
 }
 _MERGE_SIGNATURE = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
-                    "H": "i32", "num_splits": "i32", "stride_o_t": "i32", "stride_o_h": "i32",
-                    **{n: "constexpr" for n in ("HEAD_DIM", "BLOCK_D", "BLOCK_SPLITS", "HAS_SINKS")}}
+                    "context_lens_ptr": "*i32", "H": "i32", "num_splits": "i32", "window": "i32",
+                    "stride_o_t": "i32", "stride_o_h": "i32",
+                    **{n: "constexpr" for n in ("HEAD_DIM", "BLOCK_D", "BLOCK_SPLITS", "HAS_SINKS", "ACTIVE_FROM_LENS",
+                                                "HAS_WINDOW", "BLOCK_N")}}
 
 
 def _variant(group: int, Dh: int, window=False, softcap=False, sinks=False, direct=False) -> dict:
@@ -233,7 +265,8 @@ COMPILE_VARIANTS = {
     "gpt-oss-dh64-window-sinks": _variant(8, 64, window=True, sinks=True, direct=True),
     "gemma3-dh256-window-softcap": _variant(4, 256, window=True, softcap=True),
     "merge-dh128-sinks": {"kernel": _paged_decode_attention_merge_kernel, "signature": _MERGE_SIGNATURE,
-                          "constexprs": {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SPLITS": 32, "HAS_SINKS": True},
+                          "constexprs": {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SPLITS": 32, "HAS_SINKS": True,
+                                         "ACTIVE_FROM_LENS": True, "HAS_WINDOW": True, "BLOCK_N": 128},
                           "num_warps": 4, "num_stages": 1, "divisible": ("stride_o_t", "stride_o_h")},
 }
 

@@ -245,11 +245,15 @@ def test_config_rejects_bad_split_values():
 # -- the merge's compilation for the H200 (sm_90a); the split kernel's is in test_attention_prefill_triton --
 
 _MERGE_SIGNATURE = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*bf16",
-                    "H": "i32", "num_splits": "i32", "stride_o_t": "i32", "stride_o_h": "i32",
-                    **{n: "constexpr" for n in ("HEAD_DIM", "BLOCK_D", "BLOCK_SPLITS", "HAS_SINKS")}}
+                    "context_lens_ptr": "*i32", "H": "i32", "num_splits": "i32", "window": "i32",
+                    "stride_o_t": "i32", "stride_o_h": "i32",
+                    **{n: "constexpr" for n in ("HEAD_DIM", "BLOCK_D", "BLOCK_SPLITS", "HAS_SINKS", "ACTIVE_FROM_LENS",
+                                                "HAS_WINDOW", "BLOCK_N")}}
 MERGE_VARIANTS = {
-    "merge-dh64-sinks-8": {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_SPLITS": 8, "HAS_SINKS": True},
-    "merge-dh256-32": {"HEAD_DIM": 256, "BLOCK_D": 256, "BLOCK_SPLITS": 32, "HAS_SINKS": False},
+    "merge-dh64-sinks-8": {"HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_SPLITS": 8, "HAS_SINKS": True,
+                           "ACTIVE_FROM_LENS": False, "HAS_WINDOW": False, "BLOCK_N": 16},
+    "merge-dh256-32": {"HEAD_DIM": 256, "BLOCK_D": 256, "BLOCK_SPLITS": 32, "HAS_SINKS": False,
+                       "ACTIVE_FROM_LENS": False, "HAS_WINDOW": False, "BLOCK_N": 16},
 }
 
 
