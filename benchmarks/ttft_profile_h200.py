@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -47,6 +49,9 @@ def main() -> int:
     parser.add_argument("--sizes", default="130,590,2340,8890,26900")
     parser.add_argument("--kv-cache-gib", type=float, default=40.0)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script (kernel rows stay empty)")
+    parser.add_argument("--trace", action="store_true",
+                        help="the profiled prompt also records host activity; its Chrome trace is written gzipped "
+                             "(ttft-trace-<preset>-<tokens>.json.gz: where the device waits for the host)")
     args = parser.parse_args()
     engine = _served_engine(args, torch.device(args.device))
     engine.start()
@@ -57,8 +62,18 @@ def main() -> int:
     for n in (int(s) for s in args.sizes.split(",")):
         fresh = [_timed_request(engine, torch.randint(300, V, (n,), generator=gen).tolist(), one)[0] * 1e3
                  for _ in range(3)]
-        with profile(activities=[ProfilerActivity.CUDA if args.device == "cuda" else ProfilerActivity.CPU]) as prof:
+        activities = [ProfilerActivity.CUDA if args.device == "cuda" else ProfilerActivity.CPU]
+        if args.trace and args.device == "cuda":
+            activities.append(ProfilerActivity.CPU)
+        with profile(activities=activities) as prof:
             wall = _timed_request(engine, torch.randint(300, V, (n,), generator=gen).tolist(), one)[0] * 1e3
+        if args.trace:
+            args.out.mkdir(parents=True, exist_ok=True)
+            raw = args.out / f"ttft-trace-{args.preset}-{n}.json"
+            prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            raw.unlink()
         kernels = [r for r in _kernel_rows(prof) if not r[0].startswith(("Memcpy", "Memset"))]
         gpu_ms = sum(ms for _, _, ms in kernels)
         families: dict[str, float] = {}

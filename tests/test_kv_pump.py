@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qml_runtime.config import CacheConfig, SchedulerConfig
+from qml_runtime.engine import Engine
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.host_tier import HostTier
 from qml_runtime.kv.tiers import PUMP_SHARE, KVTiers
@@ -126,6 +128,33 @@ def test_switched_off_the_long_prefill_leaves_the_backlog(engine, monkeypatch):
         eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": long}]),
                           SamplingParams(max_tokens=1, temperature=0))
         assert calls == [] and eng.tiers.deferred >= kept
+    finally:
+        eng.shutdown()
+
+
+def test_a_roomy_pool_leaves_the_backlog_to_the_pump_between_steps(engine, monkeypatch):
+    """With more pages surely empty than the longest request takes, no allocation is about to evict a kept
+    page: a long prefill runs without the pump's copies beside it (they cost it SMs and bandwidth), and the
+    kept pages still wait for the pump between steps."""
+    eng = Engine(engine.model, engine.tokenizer, engine.model_config, model_id="tiers", device=engine.device,
+                 dtype=engine.dtype, cache=CacheConfig(block_size=16, num_blocks=48, host_bytes=64 * 2**20),
+                 scheduler=SchedulerConfig(), fingerprint=engine.scheduler.fingerprint, context_length=320)
+    eng.start()
+    calls = []
+    monkeypatch.setattr(type(eng.tiers), "pump", lambda self, *a, **k: calls.append((a, k)) or True)
+    eng._pump = lambda: False
+    try:
+        eng.tiers.defer_persist = eng.tiers.save_in_place = True
+        turns(eng)
+        kept = eng.tiers.deferred
+        assert kept >= 2 and not eng._pool_tight()  # 20 pages of 320 tokens; 48 - the cached ones empty
+        long = "Count with me: " + " ".join(str(i) for i in range(22))
+        eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": long}]),
+                          SamplingParams(max_tokens=1, temperature=0))
+        assert calls == [] and eng.tiers.deferred >= kept
+        blocks = eng.scheduler.blocks  # the same pool with fewer pages surely empty than a request's 20
+        monkeypatch.setattr(type(blocks), "num_free", property(lambda self: 19 + self.num_cached))
+        assert eng._pool_tight()
     finally:
         eng.shutdown()
 
