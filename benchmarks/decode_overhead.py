@@ -70,7 +70,7 @@ def forward_graphs(engine, reps: int) -> dict:
             if split_for == "longest":
                 meta.context_lens_host = [longest]
             for sampler in (False, True):
-                def step(meta=meta, sampler=sampler):
+                def step(meta=meta, sampler=sampler, ids=ids, pos=pos):
                     logits = model.logits(model(ids, pos, kv, meta))
                     return graphs.sampling.sample(logits) if sampler else logits
                 with torch.inference_mode():
