@@ -357,9 +357,19 @@ def _make_entry_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen
     def randn(*shape, scale=1.0):
         return (scale * torch.randn(*shape, generator=gen, device=gen.device)).to(device=device, dtype=dtype)
 
-    return {"h": randn(T, D), "residual": randn(T, D, scale=2.0), "norm_weight": randn(D, scale=0.1) + 1.0,
-            "eps": 1e-6, "router": randn(E, D, scale=D**-0.5), "top_k": d["k"], "renormalize": True,
-            "block_size": 16}
+    h, residual, norm_weight = randn(T, D), randn(T, D, scale=2.0), randn(D, scale=0.1) + 1.0
+    # The router is built so that each token's logits are a permutation of values 4 / (E - 1) apart: the
+    # kernel and the reference sum them in other orders and round the normed row at other points, and
+    # logits closer than that rounding (a random router over 16 experts drew them in fp16, ~1 run in 25)
+    # rank differently, which swaps two experts' ids. ``router @ x_t = targets[t]`` for every token.
+    s = h.double() + residual.double()
+    x = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight.double()).cpu()  # [T, D]
+    cpu = torch.Generator().manual_seed(int(torch.randint(2**31, (1,), generator=gen, device=gen.device)))
+    spaced = torch.linspace(-2.0, 2.0, E, dtype=torch.float64)
+    targets = torch.stack([spaced[torch.randperm(E, generator=cpu)] for _ in range(T)])  # [T, E]
+    router = (targets.T @ torch.linalg.solve(x @ x.T, x)).to(device=device, dtype=dtype)  # [E, D]
+    return {"h": h, "residual": residual, "norm_weight": norm_weight, "eps": 1e-6, "router": router,
+            "top_k": d["k"], "renormalize": True, "block_size": 16}
 
 
 def _make_exit_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> dict:
