@@ -88,6 +88,19 @@ def decode_num_splits(batch: int, kv_heads: int, max_keys: int, config: PagedDec
 
 
 @triton.jit
+def _key_steps(L, window, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A sequence of ``L`` cached keys: its first visible position ``lo``, the start ``first`` of its first
+    key step and the number of steps. Steps sit on a BLOCK_N grid of absolute positions, so only the first
+    step of a window and the last one are partial; every step still holds a visible key, so no row max is
+    -inf. Stage 1 deals these steps to its splits; the merge reads the splits they reach."""
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(L - window, 0)
+    first = (lo // BLOCK_N) * BLOCK_N
+    return lo, first, tl.cdiv(L - first, BLOCK_N)
+
+
+@triton.jit
 def _paged_decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, sinks_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     H, num_splits, window, qk_scale, cap_scale,
@@ -103,16 +116,10 @@ def _paged_decode_attention_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     L = tl.load(context_lens_ptr + b)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(L - window, 0)
-    # steps sit on a BLOCK_N grid of absolute positions, so only the first step of a window and
-    # the last one are partial; every step still holds a visible key, so no row max is -inf
-    first = (lo // BLOCK_N) * BLOCK_N
-    n_steps = tl.cdiv(L - first, BLOCK_N)
+    lo, first, n_steps = _key_steps(L, window, HAS_WINDOW, BLOCK_N)
     if not DIRECT:
         # a split past this sequence's key steps has nothing to do and stores nothing: the merge reads
-        # only the first min(num_splits, n_steps) (``_active_splits``). A CUDA graph captures the split
+        # only the first min(num_splits, n_steps). A CUDA graph captures the split
         # count of its longest context; at a short one most of its programs end here
         if split >= n_steps:
             return
@@ -178,19 +185,6 @@ def _paged_decode_attention_kernel(
 
 
 @triton.jit
-def _active_splits(context_lens_ptr, b, num_splits, window,
-                   HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The splits of sequence ``b`` that stage 1 ran: one per key step, at most ``num_splits`` (the
-    others returned before storing anything). The same step count as the kernel's."""
-    L = tl.load(context_lens_ptr + b)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(L - window, 0)
-    first = (lo // BLOCK_N) * BLOCK_N
-    return tl.minimum(tl.cdiv(L - first, BLOCK_N), num_splits)
-
-
-@triton.jit
 def _paged_decode_attention_merge_kernel(
     part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, context_lens_ptr,
     H, num_splits, window, stride_o_t, stride_o_h,
@@ -198,7 +192,7 @@ def _paged_decode_attention_merge_kernel(
     ACTIVE_FROM_LENS: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     # ACTIVE_FROM_LENS: decode's stage 1 stores only the splits a sequence's key steps reach
-    # (``_active_splits`` of its context length); off, every split was stored (the prefill's split-KV
+    # (``_key_steps`` of its context length); off, every split was stored (the prefill's split-KV
     # launch, whose workspace has this layout with one row per query token; context_lens_ptr unread)
     pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -208,7 +202,8 @@ def _paged_decode_attention_merge_kernel(
     part = (b * H + h) * num_splits + sp
     active = num_splits
     if ACTIVE_FROM_LENS:
-        active = _active_splits(context_lens_ptr, b, num_splits, window, HAS_WINDOW, BLOCK_N)
+        _, _, n_steps = _key_steps(tl.load(context_lens_ptr + b), window, HAS_WINDOW, BLOCK_N)
+        active = tl.minimum(n_steps, num_splits)
     lse = tl.load(part_lse_ptr + part, mask=sp < active, other=float("-inf"))
     used = lse > float("-inf")
     top = tl.max(lse, axis=0)
