@@ -116,20 +116,27 @@ def test_switched_off_the_long_prefill_leaves_the_backlog(engine, monkeypatch):
     monkeypatch.setenv("QML_PUMP_BESIDE", "0")
     eng = sibling(engine, num_blocks=12, host_bytes=64 * 2**20)
     assert eng.tiers.pump_beside is False
+    try:
+        _long_prefill_after_a_turn(eng, monkeypatch)
+    finally:
+        eng.shutdown()
+
+
+def _long_prefill_after_a_turn(eng, monkeypatch, before_prefill=lambda: None) -> None:
+    """A turn whose pages wait for their copy down, then (after ``before_prefill()``) a long prompt's prefill
+    with the pump between steps off and every pump call recorded: none may come, and the kept pages still wait."""
     calls = []
     monkeypatch.setattr(type(eng.tiers), "pump", lambda self, *a, **k: calls.append((a, k)) or True)
     eng._pump = lambda: False
-    try:
-        eng.tiers.defer_persist = eng.tiers.save_in_place = True
-        turns(eng)
-        kept = eng.tiers.deferred
-        assert kept >= 2
-        long = "Count with me: " + " ".join(str(i) for i in range(22))
-        eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": long}]),
-                          SamplingParams(max_tokens=1, temperature=0))
-        assert calls == [] and eng.tiers.deferred >= kept
-    finally:
-        eng.shutdown()
+    eng.tiers.defer_persist = eng.tiers.save_in_place = True
+    turns(eng)
+    kept = eng.tiers.deferred
+    assert kept >= 2
+    before_prefill()
+    long = "Count with me: " + " ".join(str(i) for i in range(22))
+    eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": long}]),
+                      SamplingParams(max_tokens=1, temperature=0))
+    assert calls == [] and eng.tiers.deferred >= kept
 
 
 def test_a_roomy_pool_leaves_the_backlog_to_the_pump_between_steps(engine, monkeypatch):
@@ -140,18 +147,12 @@ def test_a_roomy_pool_leaves_the_backlog_to_the_pump_between_steps(engine, monke
                  dtype=engine.dtype, cache=CacheConfig(block_size=16, num_blocks=48, host_bytes=64 * 2**20),
                  scheduler=SchedulerConfig(), fingerprint=engine.scheduler.fingerprint, context_length=320)
     eng.start()
-    calls = []
-    monkeypatch.setattr(type(eng.tiers), "pump", lambda self, *a, **k: calls.append((a, k)) or True)
-    eng._pump = lambda: False
+
+    def roomy():  # 20 pages of 320 tokens; 48 - the cached ones empty
+        assert not eng._pool_tight()
+
     try:
-        eng.tiers.defer_persist = eng.tiers.save_in_place = True
-        turns(eng)
-        kept = eng.tiers.deferred
-        assert kept >= 2 and not eng._pool_tight()  # 20 pages of 320 tokens; 48 - the cached ones empty
-        long = "Count with me: " + " ".join(str(i) for i in range(22))
-        eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": long}]),
-                          SamplingParams(max_tokens=1, temperature=0))
-        assert calls == [] and eng.tiers.deferred >= kept
+        _long_prefill_after_a_turn(eng, monkeypatch, roomy)
         blocks = eng.scheduler.blocks  # the same pool with fewer pages surely empty than a request's 20
         monkeypatch.setattr(type(blocks), "num_free", property(lambda self: 19 + self.num_cached))
         assert eng._pool_tight()
