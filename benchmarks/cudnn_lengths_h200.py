@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from moe_h200 import time_layer  # beside this script
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 H, HKV, DH = 32, 4, 128
@@ -34,21 +34,13 @@ def attend(q, k, v):
 
 
 def timed(fn) -> tuple[float, float, torch.Tensor]:
-    """(first call's wall ms, steady median ms, output)."""
+    """(first call's wall ms, steady median ms of 5, output)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = fn()
     torch.cuda.synchronize()
     first = (time.perf_counter() - t0) * 1e3
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return first, statistics.median(times), out
+    return first, time_layer(fn, torch.device("cuda"), 5), out
 
 
 def main() -> int:
