@@ -1,6 +1,7 @@
 """cuDNN's fused attention at a prompt length it has not seen: the first call's cost, and lengths padded to buckets.
 
     python benchmarks/cudnn_lengths_h200.py --out DIR [--lengths 8890,8891,8900,26900] [--bucket 512]
+    python benchmarks/cudnn_lengths_h200.py --out DIR --engine [--preset qwen3-30b-a3b] [--buckets 1,128]
 
 Served, the first prompt of each length above 4,096 tokens (``qml_kernels.attention_cudnn``) was 50-85 ms slower
 than the next ones of the same length (serve-h200-qwen3-30b-a3b-2026-12-04.md): torch builds a cuDNN graph per
@@ -10,15 +11,24 @@ or before it), so lengths rounded up to ``--bucket`` share graphs. For each leng
 heads (32 q / 4 kv, Dh 128, bf16): the first call (host wall time, the build included) and the steady time
 (median of 5, CUDA events), unpadded and padded, and the largest difference of the real rows between the two.
 Writes ``cudnn-lengths-<date>.json``.
+
+``--engine``: the same question in the engine as served, under each ``--buckets`` value of
+``QML_CUDNN_BUCKET`` (one process each; 1 attends at the exact lengths): after a 4,500-token warm-up prompt,
+one fresh prompt of each of ``--lengths`` in turn, its time to first token and its 8 greedy tokens, which
+must be the same under every bucket (a padded row or key reaching a real row would change them). Writes
+``cudnn-buckets-<preset>-<date>.json``.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -43,12 +53,72 @@ def timed(fn) -> tuple[float, float, torch.Tensor]:
     return first, time_layer(fn, torch.device("cuda"), 5), out
 
 
+def engine_child(preset: str, lengths: list[int], kv_cache_gib: float) -> dict:
+    """In this process's engine (its QML_CUDNN_BUCKET): each length's first time to first token and tokens."""
+    from engine_common import _served_engine, _timed_request
+
+    from qml_runtime.sampling_params import SamplingParams
+
+    engine = _served_engine(SimpleNamespace(preset=preset, kv_cache_gib=kv_cache_gib), "cuda")
+    engine.start()
+    V = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    rows = []
+    try:
+        _timed_request(engine, torch.randint(300, V, (4500,), generator=gen).tolist(), params)
+        for L in lengths:
+            tokens = []
+            stamps = _timed_request(engine, torch.randint(300, V, (L,), generator=gen).tolist(), params, tokens)
+            rows.append({"tokens": L, "ttft_ms": round(stamps[0] * 1e3, 2), "generated": tokens})
+    finally:
+        engine.shutdown()
+    return {"rows": rows}
+
+
+def engine_mode(args) -> int:
+    runs = {}
+    for bucket in args.buckets.split(","):
+        cmd = [sys.executable, __file__, "--out", str(args.out), "--engine", "--child", "--preset", args.preset,
+               "--lengths", args.lengths, "--kv-cache-gib", str(args.kv_cache_gib)]
+        run = subprocess.run(cmd, env={**os.environ, "QML_CUDNN_BUCKET": bucket}, capture_output=True, text=True)
+        line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+        if run.returncode != 0 or not line:
+            print(run.stdout[-2000:], run.stderr[-4000:], flush=True)
+            return 1
+        runs[bucket] = json.loads(line[0][len("RESULT "):])["rows"]
+    first = next(iter(runs.values()))
+    same = all(r["generated"] == f["generated"] for rows in runs.values() for r, f in zip(rows, first))
+    print("tokens | " + " | ".join(f"TTFT ms, bucket {b}" for b in runs))
+    for i, L in enumerate(int(x) for x in args.lengths.split(",")):
+        print(f"{L} | " + " | ".join(f"{rows[i]['ttft_ms']:.1f}" for rows in runs.values()))
+    print(f"the same greedy tokens under every bucket: {same}")
+    stamp = datetime.date.today().isoformat()
+    meta = {"date": stamp, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cudnn": torch.backends.cudnn.version(), "command": "python " + " ".join(sys.argv)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"cudnn-buckets-{args.preset}-{stamp}.json").write_text(
+        json.dumps({**meta, "same_tokens": same, "runs": runs}, indent=1))
+    return 0 if same else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--lengths", default="8890,8891,8900,26900")
     parser.add_argument("--bucket", type=int, default=512)
+    parser.add_argument("--engine", action="store_true", help="in the served engine, under each of --buckets")
+    parser.add_argument("--buckets", default="1,128")
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--kv-cache-gib", type=float, default=20.0)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.engine and args.child:
+        print("RESULT " + json.dumps(engine_child(args.preset, [int(x) for x in args.lengths.split(",")],
+                                                  args.kv_cache_gib)), flush=True)
+        return 0
+    if args.engine:
+        return engine_mode(args)
     gen = torch.Generator("cuda").manual_seed(0)
     attend(*(torch.randn(1, h, 64, DH, device="cuda", dtype=torch.bfloat16) for h in (H, HKV, HKV)))  # cuDNN loaded
     rows = []

@@ -13,11 +13,26 @@ torch's SDPA API cannot express stays with the Triton kernel: queries over cache
 Each sequence's K/V are gathered from its pages into one contiguous run (2 L Hkv Dh
 elements, a few microseconds next to the O(L^2) attention) and attended with
 ``is_causal=True``; GQA goes to cuDNN as is (``enable_gqa``), without repeating K/V.
+
+Lengths in buckets: torch builds (and caches) a cuDNN graph per shape, and a build costs
+45-76 ms on the H200 (``benchmarks/cudnn_lengths_h200.py``, 2026-12-04: 70 ms at 8,890 tokens,
+69 ms at 8,891 right after it, 76 ms at 26,900), against ~1.1 ms a layer for the attention
+itself at 8,890. Served, every long prompt of a length not seen before paid it, and real
+prompts rarely repeat a length. So each sequence is attended at its length rounded up to
+``CUDNN_BUCKET`` tokens (default 128): the padded query rows come after the real ones and the
+padded keys after the real keys, so with a causal mask a real row sees exactly the keys it saw
+before and its output is unchanged (bit for bit on the H200: the check in the same script);
+the padded rows' outputs are dropped. The padded keys are zeros; the padded query rows are
+whatever follows the sequence's rows in q's storage (the next sequence's rows, or the slack
+the model allocates after the last one: ``query_slack_rows``), or a padded copy when q's
+storage ends first. The price: up to ``CUDNN_BUCKET - 1`` more rows of attention (1.6% more at
+8,890 tokens with the default, 0.8% at 26,900), against one build per bucket and process.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +41,21 @@ from qml_kernels.attention import AttentionMetadata
 
 
 CUDNN_MIN_TOKENS = 4096  # the longest prompt of the batch; the crossover lies between 2,340 and 8,892
+# sequences are attended at their length rounded up to a multiple of this (one cuDNN graph per bucket, not
+# per length: see the module docstring); QML_CUDNN_BUCKET=1 attends at the exact lengths
+CUDNN_BUCKET = max(1, int(os.environ.get("QML_CUDNN_BUCKET", "128")))
+
+
+def padded_length(L: int, bucket: int | None = None) -> int:
+    """The length a sequence of ``L`` tokens is attended at: ``L`` rounded up to the bucket."""
+    bucket = CUDNN_BUCKET if bucket is None else bucket
+    return -(-L // bucket) * bucket
+
+
+def query_slack_rows(T: int) -> int:
+    """Rows a model may allocate after a step's ``T`` query rows so that the last sequence's padded rows
+    can be read in place (no copy of q): none for steps too short for this path."""
+    return CUDNN_BUCKET - 1 if T >= CUDNN_MIN_TOKENS else 0
 
 
 @functools.cache
@@ -59,25 +89,50 @@ def supported(q, k_cache, v_cache, meta, scale, sliding_window=None, sinks=None,
             and cudnn_sdpa_works(q.device.index or 0))
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """[1, H, L, Dh] x [1, Hkv, L, Dh] x 2 -> [1, H, L, Dh]: causal, on cuDNN (tests swap in another backend)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+
+def _padded_rows(t: torch.Tensor, start: int, rows: int, real: int) -> torch.Tensor:
+    """``rows`` rows of ``t`` [N, ...] from ``start``, the first ``real`` of them t's own: a view when t's
+    storage holds them all (the rows past ``real`` are whatever lies there), else a copy padded with zeros."""
+    needed = t.storage_offset() + (start + rows - 1) * t.stride(0) + sum((n - 1) * st for n, st in
+                                                                         zip(t.shape[1:], t.stride()[1:])) + 1
+    if needed * t.element_size() <= t.untyped_storage().nbytes():
+        return t.as_strided((rows, *t.shape[1:]), t.stride(), t.storage_offset() + start * t.stride(0))
+    out = t.new_empty((rows, *t.shape[1:]))
+    out[:real] = t[start:start + real]
+    out[real:].zero_()
+    return out
+
+
 def paged_prefill_attention_cudnn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                                   sinks: torch.Tensor | None = None, softcap: float | None = None,
                                   out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, Dh] (fresh prompts only, see ``supported``) -> out [T, H, Dh]."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     assert sliding_window is None and sinks is None and softcap is None, "cuDNN SDPA: no window/sinks/softcap"
     assert is_fresh_prefill(meta), "cuDNN SDPA serves fresh prompts only (no cached context)"
     out = torch.empty_like(q) if out is None else out
     S, Hkv, Dh = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     cu = meta.cu_seqlens_q_host
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        for b, L in enumerate(meta.context_lens_host):
-            pages = meta.block_tables[b, : -(-L // S)]
-            k = k_cache[pages].reshape(-1, Hkv, Dh)[:L]  # [L, Hkv, Dh], gathered page by page
-            v = v_cache[pages].reshape(-1, Hkv, Dh)[:L]
-            qb = q[cu[b]:cu[b + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, L, Dh]
-            o = F.scaled_dot_product_attention(qb, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                                               is_causal=True, scale=scale, enable_gqa=True)
-            out[cu[b]:cu[b + 1]] = o[0].transpose(0, 1)
+    for b, L in enumerate(meta.context_lens_host):
+        Lp = padded_length(L)
+        n_pages = -(-L // S)
+        # K/V gathered page by page into a run of Lp slots (whole pages); the slots past L are zeroed: only the
+        # padded query rows see them, and zeros keep anything non-finite out of the kernel
+        kv = []
+        for cache in (k_cache, v_cache):
+            run = cache.new_empty((-(-Lp // S), S, Hkv, Dh))
+            torch.index_select(cache, 0, meta.block_tables[b, :n_pages].long(), out=run[:n_pages])
+            run = run.view(-1, Hkv, Dh)[:Lp]
+            run[L:].zero_()
+            kv.append(run.transpose(0, 1).unsqueeze(0))  # [1, Hkv, Lp, Dh]
+        qb = _padded_rows(q, cu[b], Lp, L).transpose(0, 1).unsqueeze(0)  # [1, H, Lp, Dh]
+        o = _sdpa(qb, kv[0], kv[1], scale)
+        out[cu[b]:cu[b + 1]] = o[0, :, :L].transpose(0, 1)
     return out

@@ -13,6 +13,7 @@ from torch import nn
 
 from qml_kernels.activations import swiglu
 from qml_kernels.attention import AttentionMetadata, paged_attention
+from qml_kernels.attention_cudnn import query_slack_rows
 from qml_kernels.linear import linear
 from qml_kernels.moe_fused_norms import combine_add_rmsnorm
 from qml_kernels.rmsnorm import add_rmsnorm, rmsnorm
@@ -101,6 +102,9 @@ class LlamaModel(nn.Module):
         scale = Dh**-0.5
         h = self.embed[input_ids]  # [T, D]
         residual = None
+        # a long prompt's rotated q goes to a buffer with rows to spare after it: cuDNN attends each prompt at
+        # its length rounded up to a bucket and reads the padded rows there instead of from a copy
+        slack = query_slack_rows(T) if h.is_cuda else 0
         for i, layer in enumerate(self.layers):
             if residual is None:
                 x, residual = rmsnorm(h, layer.attn_norm, cfg.rms_eps), h
@@ -108,11 +112,13 @@ class LlamaModel(nn.Module):
                 x, residual = combine_add_rmsnorm(h, residual, layer.attn_norm, cfg.rms_eps)
             q, k, v = layer.split_qkv(linear(x, layer.wqkv), cfg)  # [T, H, Dh], [T, Hkv, Dh] x 2
             k_cache, v_cache = kv.layer(i)
-            # one launch: q rotates in place (inside the fused qkv buffer for Llama), rotated k and v
-            # go to their cache slots
+            # one launch: q rotates in place (inside the fused qkv buffer for Llama) or into the buffer with
+            # slack, rotated k and v go to their cache slots
             q_norm, k_norm = layer.qk_norms()
-            rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, cfg.rope_interleaved, out=q,
+            q_out = q.new_empty((T + slack, H, Dh))[:T] if slack else q
+            rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, cfg.rope_interleaved, out=q_out,
                           q_norm=q_norm, k_norm=k_norm, norm_eps=cfg.rms_eps)
+            q = q_out
             o = paged_attention(q, k_cache, v_cache, meta, scale)  # [T, H, Dh]
             h = linear(o.reshape(T, H * Dh), layer.wo)  # [T, D]
             h, residual = layer.feed_forward(h, residual, cfg)  # [T, D], or a MoE layer's PendingCombine
