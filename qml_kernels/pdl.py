@@ -36,7 +36,10 @@ GEMV asking L2 for its weight rows before its wait (``prefetch.global.L2``: 3.18
 3.190 with), and the MoE down projection prefetching its chosen experts' weights while the
 gate-up GEMM still ran (its grouping is two kernels back, complete once it starts): 3.360 with
 normal priority, 3.442 with ``evict_last``; the prefetch competed with the gate-up GEMM's own
-stream instead of filling a gap.
+stream instead of filling a gap. Nor an L2 prefetch of the next weight stream issued two kernels
+ahead, across the small kernels between two streams (``cp.async.bulk.prefetch.L2`` from a grid of
+one-warp programs; ``benchmarks/l2_prefetch_h200.py``, 2026-12-04): the GEMV after it was no faster
+even with an 8 us gap, and the decode step went 3.078 -> 3.367 ms.
 
 ``QML_PDL=0`` launches everything without the attribute (the ``PDL`` constexpr off, so the
 kernels carry no grid-dependency instructions at all); off on CPU, under the interpreter, and on
