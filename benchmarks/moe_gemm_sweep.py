@@ -1,6 +1,12 @@
 """Sweep the grouped GEMM's launch configs at Qwen3-30B-A3B shapes on the H200 (prefill sizes).
 
-    python benchmarks/moe_gemm_sweep.py --out DIR [--tokens 512,2048,8192] [--grid full|tma]
+    python benchmarks/moe_gemm_sweep.py --out DIR [--tokens 512,2048,8192] [--grid full|tma|order]
+    python benchmarks/moe_gemm_sweep.py --out DIR --grid grouped --tokens 8890,26900
+
+``--grid grouped``: the rows kept grouped by expert between the two GEMMs (``moe_experts_grouped``) against
+pair order, at 128-row segments with the launcher's tiles: gate-up writing grouped rows; the down GEMM reading
+them through TMA, by pointer, or as ``torch._grouped_mm``; and the whole layer (both GEMMs and the combine),
+each checked against pair order first.
 
 For each token count, uniform random routing (what random router weights give), both GEMMs of an
 expert FFN (gate-up with the fused SwiGLU, down) are timed for every (alignment block, tile) combination;
@@ -22,7 +28,7 @@ import triton
 from triton.testing import do_bench
 
 from qml_kernels.moe_gemm import MoEGemmConfig, moe_block_size, moe_gemm_config, moe_gemm_triton
-from qml_kernels.moe_routing import draw_expert_ids, moe_align_triton
+from qml_kernels.moe_routing import draw_expert_ids, moe_align_triton, moe_combine_triton
 
 E, K_TOP, D, I = 128, 8, 2048, 768
 
@@ -82,11 +88,56 @@ def grouped_mm_row(name: str, T: int, ids: torch.Tensor, x, h, w_gate_up, w_down
             "TFLOP_per_s": round(flops / us / 1e6, 1), "with_gather_us": round(whole_us, 1)}
 
 
+def grouped_rows(T: int, ids: torch.Tensor, x, w_gate_up, w_down) -> list[dict]:
+    """Pair order against grouped rows at 128-row segments (see the module docstring): us per call."""
+    sorted_pairs, offsets, inverse = moe_align_triton(ids, E, 128)
+    rows = inverse.long()
+    weights = torch.softmax(torch.randn(T, K_TOP, device="cuda"), dim=-1)
+    gu, dn = moe_gemm_config(128, True), moe_gemm_config(128, False)
+    pointer = dataclasses.replace(dn, tma_weights=False)  # no TMA for the weights, nor for the rows
+    h = moe_gemm_triton(x, w_gate_up, sorted_pairs, offsets, 128, K_TOP, True)  # pair order
+    hs = moe_gemm_triton(x, w_gate_up, sorted_pairs, offsets, 128, K_TOP, True, sorted_out=True)
+    torch.testing.assert_close(hs[rows], h, rtol=0, atol=0)
+    y = moe_gemm_triton(h, w_down, sorted_pairs, offsets, 128, 1)
+    down = {
+        "down, pair order (gathered rows)": lambda: moe_gemm_triton(h, w_down, sorted_pairs, offsets, 128, 1),
+        "down, grouped rows through TMA": lambda: moe_gemm_triton(hs, w_down, sorted_pairs, offsets, 128, 1,
+                                                                  sorted_in=True, sorted_out=True, config=dn),
+        "down, grouped rows by pointer": lambda: moe_gemm_triton(hs, w_down, sorted_pairs, offsets, 128, 1,
+                                                                 sorted_in=True, sorted_out=True, config=pointer),
+        "down, torch._grouped_mm on grouped rows": lambda: torch._grouped_mm(hs, w_down.transpose(1, 2),
+                                                                             offs=offsets[1:]),
+    }
+    cases = {
+        "gate-up, pair order": lambda: moe_gemm_triton(x, w_gate_up, sorted_pairs, offsets, 128, K_TOP, True),
+        "gate-up, grouped rows out": lambda: moe_gemm_triton(x, w_gate_up, sorted_pairs, offsets, 128, K_TOP, True,
+                                                             sorted_out=True, config=gu),
+        **down,
+        "layer, pair order": lambda: moe_combine_triton(moe_gemm_triton(
+            moe_gemm_triton(x, w_gate_up, sorted_pairs, offsets, 128, K_TOP, True), w_down, sorted_pairs, offsets,
+            128, 1), weights),
+        "layer, grouped rows (our down)": lambda: moe_combine_triton(moe_gemm_triton(
+            moe_gemm_triton(x, w_gate_up, sorted_pairs, offsets, 128, K_TOP, True, sorted_out=True), w_down,
+            sorted_pairs, offsets, 128, 1, sorted_in=True, sorted_out=True), weights, inverse),
+        "layer, grouped rows (torch._grouped_mm down)": lambda: moe_combine_triton(torch._grouped_mm(
+            moe_gemm_triton(x, w_gate_up, sorted_pairs, offsets, 128, K_TOP, True, sorted_out=True),
+            w_down.transpose(1, 2), offs=offsets[1:]), weights, inverse),
+    }
+    for name, fn in down.items():  # each down variant's rows against pair order's
+        torch.testing.assert_close(fn()[rows] if "grouped" in name else fn(), y, rtol=2e-2, atol=2e-2)
+    out = []
+    for name, fn in cases.items():
+        us = do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+        out.append({"T": T, "case": name, "us": round(us, 1)})
+        print(f"T={T:<6} {name:<48} {us:9.1f} us", flush=True)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", default="512,2048,8192")
-    parser.add_argument("--grid", choices=("full", "tma", "order"), default="full",
+    parser.add_argument("--grid", choices=("full", "tma", "order", "grouped"), default="full",
                         help="tma: the launcher's prefill tiles and neighbours, each with and without TMA weight loads; "
                              "order: the launcher's tiles in both launch orders, and torch._grouped_mm beside them")
     args = parser.parse_args()
@@ -98,6 +149,9 @@ def main() -> int:
         ids = draw_expert_ids(T, E, K_TOP, torch.Generator().manual_seed(T)).cuda()
         x = torch.randn(T, D, device="cuda", generator=gen).bfloat16()
         h = torch.randn(T * K_TOP, I, device="cuda", generator=gen).bfloat16()
+        if args.grid == "grouped":
+            rows += grouped_rows(T, ids, x, w_gate_up, w_down)
+            continue
         default_block = moe_block_size(T * K_TOP, E)
         grouping = {b: moe_align_triton(ids, E, b)[:2] for b in (64, 128)}
         gemms = {"gate-up": lambda b, cfg: moe_gemm_triton(x, w_gate_up, *grouping[b], b, K_TOP, True, config=cfg),

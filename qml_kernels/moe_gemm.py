@@ -29,6 +29,16 @@ this is a stream of ``A`` experts' weights (bandwidth-bound), at long prefills c
 ``moe_forward``: router probabilities -> top-k -> grouped GEMMs -> weighted combine, each step
 dispatched on its own; ``moe_forward_ref`` is the same function as a loop over experts.
 
+Grouped rows between the GEMMs (``moe_experts_grouped``, ``QML_MOE_GROUPED_ROWS=1``, long prefills only;
+off by default until timed on the H200): the gate-up GEMM can write its rows where they sit in the grouping
+(``sorted_out``: [R, I], padding rows zero) instead of in pair order, so the down GEMM reads each tile's rows
+as one contiguous block (``sorted_in``: a TMA load instead of a gather by pair) and writes grouped rows too,
+which the combine reads through the alignment's inverse. Grouped rows are also what ``torch._grouped_mm``
+needs: at 26,900 tokens it ran the down projection in 1,118 us a layer against our 1,464-1,490 on the H200,
+but only when handed rows already grouped (results/moe-gemm-sweep-order-h200-2026-12-03.json);
+``QML_MOE_GROUPED_DOWN=grouped_mm`` takes it for the down GEMM. ``benchmarks/moe_gemm_sweep.py --grid
+grouped`` times the variants.
+
 Launch configs: ``moe_gemm_config(block_size, swiglu)`` gives 16-row segments (decode, short prefills)
 narrow, deep tiles with five pipeline stages, so the weight stream keeps enough bytes in flight
 (at one token the default tiles ran at 1.1-1.2 TB/s on the H200: gate-up 46.7 us, down 20.9 us,
@@ -47,6 +57,7 @@ tutorial's tiled ``tl.dot`` loop.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +74,10 @@ from qml_kernels.registry import dispatch, register
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# long prefills keep the rows grouped by expert between the two GEMMs (moe_experts_grouped): written and
+# checked on CPU, not yet timed on the H200, so off by default
+MOE_GROUPED_ROWS = os.environ.get("QML_MOE_GROUPED_ROWS", "0") == "1"
+GROUPED_DOWN = os.environ.get("QML_MOE_GROUPED_DOWN", "triton")  # or "grouped_mm" (torch._grouped_mm)
 
 
 @dataclass(frozen=True)
@@ -150,12 +165,13 @@ def moe_block_size(num_pairs: int, num_experts: int) -> int:
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, w_desc, out_ptr, sorted_pairs_ptr, offsets_ptr,
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, sorted_pairs_ptr, offsets_ptr,
     N_OUT, K, E, stride_a, stride_we, stride_wn, stride_out,
     NUM_M, NUM_N,
     PAIRS_PER_ROW: tl.constexpr, SWIGLU: tl.constexpr, PRECISION: tl.constexpr, TMA_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    COLUMNS_FIRST: tl.constexpr, PDL: tl.constexpr,
+    COLUMNS_FIRST: tl.constexpr, SORTED_IN: tl.constexpr, SORTED_OUT: tl.constexpr, TMA_A: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
     pid = tl.program_id(0)  # programs start in this order: see MoEGemmConfig.columns_first
@@ -174,9 +190,11 @@ def _moe_gemm_kernel(
     expert = tl.sum((seg_ends <= first_row).to(tl.int32), axis=0)  # segments ending at or before this tile
 
     # segments are multiples of BLOCK_M, so every row of the tile is inside sorted_pairs
-    pairs = tl.load(sorted_pairs_ptr + first_row + tl.arange(0, BLOCK_M))  # [BLOCK_M], -1: padding
+    rows = first_row + tl.arange(0, BLOCK_M)  # [BLOCK_M] grouped rows
+    pairs = tl.load(sorted_pairs_ptr + rows)  # [BLOCK_M], -1: padding
     real = pairs >= 0
-    a_rows = tl.where(real, pairs // PAIRS_PER_ROW, 0).to(tl.int64)
+    # SORTED_IN: a's rows are already grouped (the previous GEMM's SORTED_OUT), row for row with the tile
+    a_rows = rows.to(tl.int64) if SORTED_IN else tl.where(real, pairs // PAIRS_PER_ROW, 0).to(tl.int64)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     col_ok = cols < N_OUT
     ks = tl.arange(0, BLOCK_K)
@@ -190,7 +208,10 @@ def _moe_gemm_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
-        a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
+        if TMA_A:  # SORTED_IN only: the tile's rows are contiguous in a (padding rows are zeros there)
+            a = a_desc.load([first_row, k0])
+        else:
+            a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
         if TMA_W:
             w = w_desc.load([w_row, k0]).T  # [BLOCK_K, BLOCK_N]
         else:
@@ -208,8 +229,14 @@ def _moe_gemm_kernel(
     if SWIGLU:
         # silu(g) = g / (1 + exp(-g)); exp overflows to inf for g < -88 and the result is 0
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    out_ptrs = out_ptr + tl.where(real, pairs, 0).to(tl.int64)[:, None] * stride_out + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
+    if SORTED_OUT:
+        # every row of the tile, padding too: its a row was zeros, so it stores zeros (silu(0) · 0 with swiglu),
+        # and a SORTED_IN GEMM after this one reads defined rows
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
+    else:
+        out_ptrs = out_ptr + tl.where(real, pairs, 0).to(tl.int64)[:, None] * stride_out + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
 
 
 def _check_grouping(sorted_pairs: torch.Tensor, expert_offsets: torch.Tensor, E: int, device) -> None:
@@ -220,10 +247,14 @@ def _check_grouping(sorted_pairs: torch.Tensor, expert_offsets: torch.Tensor, E:
 
 
 def moe_gemm_triton(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor, expert_offsets: torch.Tensor,
-                    block_size: int, pairs_per_row: int, swiglu: bool = False, *, out: torch.Tensor | None = None,
+                    block_size: int, pairs_per_row: int, swiglu: bool = False, sorted_in: bool = False,
+                    sorted_out: bool = False, *, out: torch.Tensor | None = None,
                     config: MoEGemmConfig | None = None) -> torch.Tensor:
     """a: [P / pairs_per_row, K], w: [E, N, K], grouping from ``moe_align(..., block_size)`` ->
     [P, N] (or [P, N/2] with ``swiglu``: silu(gate) · up) in a.dtype, fp32 accumulation.
+    ``sorted_out``: the output is [R, N] in grouped-row order (R = sorted_pairs' length): padding rows zero,
+    rows past the last segment not written; ``sorted_in`` (with ``sorted_out``): a is [R, K] in that order, as
+    the previous GEMM wrote it (see ``moe_experts_grouped``).
     ``config``: None picks ``moe_gemm_config(block_size, swiglu)``."""
     assert a.dim() == 2 and a.dtype in _FLOAT_DTYPES and a.stride(-1) == 1, \
         f"a must be [rows, K] fp32/fp16/bf16 with a contiguous last dimension, got {a.dtype} {tuple(a.shape)}"
@@ -240,10 +271,14 @@ def moe_gemm_triton(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor
     R = sorted_pairs.shape[0]
     assert R % block_size == 0, f"sorted_pairs has {R} rows, not a multiple of block_size {block_size}"
     assert not swiglu or N % 2 == 0, f"swiglu needs w's N even (gate rows, then up rows), got {N}"
+    assert not sorted_in or (sorted_out and a.shape[0] == R and pairs_per_row == 1), \
+        f"sorted_in: a must hold the {R} grouped rows (pairs_per_row 1), and the output is grouped too " \
+        f"(sorted_out), got {tuple(a.shape)}, {pairs_per_row}, sorted_out={sorted_out}"
     P, n_out = a.shape[0] * pairs_per_row, N // 2 if swiglu else N
+    rows_out = R if sorted_out else P
     if out is None:
-        out = torch.empty((P, n_out), dtype=a.dtype, device=a.device)
-    assert out.shape == (P, n_out), f"out: shape {tuple(out.shape)}, expected {(P, n_out)}"
+        out = torch.empty((rows_out, n_out), dtype=a.dtype, device=a.device)
+    assert out.shape == (rows_out, n_out), f"out: shape {tuple(out.shape)}, expected {(rows_out, n_out)}"
     assert out.dtype == a.dtype and out.device == a.device and out.stride(-1) == 1, \
         f"out: {out.dtype} on {out.device} with strides {out.stride()}, expected a's dtype, contiguous rows"
     if P == 0 or n_out == 0 or R == 0:
@@ -253,11 +288,15 @@ def moe_gemm_triton(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor
     tma = config.tma_weights and _tma_weights_ok(w)
     # w as [E·N, K] rows for the descriptor (tma); otherwise w itself, never read through it
     w_desc = TensorDescriptor.from_tensor(w.view(E * N, K), [block_n, block_k]) if tma else w
+    # grouped rows of a are contiguous: the tile's rows through a TMA descriptor too, with the weights'
+    tma_a = tma and sorted_in and _tma_weights_ok(a.unsqueeze(0))
+    a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k]) if tma_a else a
     num_m, num_n = R // block_m, triton.cdiv(n_out, block_n)
     _moe_gemm_kernel[(num_m * num_n,)](
-        a, w, w_desc, out, sorted_pairs, expert_offsets,
+        a, a_desc, w, w_desc, out, sorted_pairs, expert_offsets,
         n_out, K, E, a.stride(0), w.stride(0), w.stride(1), out.stride(0), num_m, num_n,
         PAIRS_PER_ROW=pairs_per_row, SWIGLU=bool(swiglu), TMA_W=tma, COLUMNS_FIRST=config.columns_first,
+        SORTED_IN=bool(sorted_in), SORTED_OUT=bool(sorted_out), TMA_A=tma_a,
         # fp32 in full precision, as torch's default fp32 matmul (TF32 off)
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E),
@@ -272,20 +311,25 @@ def _tma_weights_ok(w: torch.Tensor) -> bool:
 
 
 def moe_gemm_ref(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor, expert_offsets: torch.Tensor,
-                 block_size: int, pairs_per_row: int, swiglu: bool = False) -> torch.Tensor:
-    """A loop of per-expert matmuls in fp32: [P, N] (or [P, N/2] with swiglu) in a.dtype."""
+                 block_size: int, pairs_per_row: int, swiglu: bool = False, sorted_in: bool = False,
+                 sorted_out: bool = False) -> torch.Tensor:
+    """A loop of per-expert matmuls in fp32: [P, N] (or [P, N/2] with swiglu) in a.dtype; with ``sorted_out``
+    [R, ...] in grouped-row order, zeros in the padding rows and past the last segment (``sorted_in``: a
+    holds the grouped rows)."""
     E, N, _ = w.shape
+    R = sorted_pairs.shape[0]
     P = a.shape[0] * pairs_per_row
-    out = torch.zeros(P, N // 2 if swiglu else N, dtype=torch.float32, device=a.device)
+    out = torch.zeros(R if sorted_out else P, N // 2 if swiglu else N, dtype=torch.float32, device=a.device)
     offsets = expert_offsets.tolist()
     for e in range(E):
-        pairs = sorted_pairs[offsets[e]:offsets[e + 1]].long()
-        pairs = pairs[pairs >= 0]  # drop the padding
-        y = a[pairs // pairs_per_row].float() @ w[e].float().T  # [pairs, N]
+        rows = torch.arange(offsets[e], offsets[e + 1], device=sorted_pairs.device)
+        pairs = sorted_pairs[rows].long()
+        rows, pairs = rows[pairs >= 0], pairs[pairs >= 0]  # drop the padding
+        y = a[rows if sorted_in else pairs // pairs_per_row].float() @ w[e].float().T  # [pairs, N]
         if swiglu:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
-        out[pairs] = y
+        out[rows if sorted_out else pairs] = y
     return out.to(a.dtype)
 
 
@@ -301,11 +345,13 @@ _moe_gemm = dispatch("moe_gemm")
 
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor, expert_offsets: torch.Tensor,
-             block_size: int, pairs_per_row: int, swiglu: bool = False) -> torch.Tensor:
+             block_size: int, pairs_per_row: int, swiglu: bool = False, sorted_in: bool = False,
+             sorted_out: bool = False) -> torch.Tensor:
     """Grouped GEMM over experts. a: [P / pairs_per_row, K], w: [E, N, K], sorted_pairs [R] and
     expert_offsets [E+1] from ``moe_align(ids, E, block_size)`` -> [P, N] in pair order
-    ([P, N/2] with ``swiglu``: silu(gate) · up of the two halves of w's rows)."""
-    return _moe_gemm(a, w, sorted_pairs, expert_offsets, block_size, pairs_per_row, swiglu)
+    ([P, N/2] with ``swiglu``: silu(gate) · up of the two halves of w's rows); ``sorted_out``: [R, ...] in
+    grouped-row order, ``sorted_in``: a in that order (see ``moe_experts_grouped``)."""
+    return _moe_gemm(a, w, sorted_pairs, expert_offsets, block_size, pairs_per_row, swiglu, sorted_in, sorted_out)
 
 
 # -- the MoE feed-forward ----------------------------------------------------------------------
@@ -328,7 +374,10 @@ def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.T
         weights, _, sorted_pairs, offsets, _ = moe_route(router_logits, top_k, renormalize, block)
     else:
         weights, ids = moe_router(router_logits, top_k, renormalize)  # [T, k] each
-        sorted_pairs, offsets, _ = moe_align(ids, E, block)
+        sorted_pairs, offsets, inverse = moe_align(ids, E, block)
+        if grouped_rows_apply(x, block):
+            y = moe_experts_grouped(x, w_gate_up, w_down, sorted_pairs, offsets, block, top_k)
+            return moe_combine(y, weights, inverse)
     return moe_combine(moe_experts(x, w_gate_up, w_down, sorted_pairs, offsets, block, top_k), weights)
 
 
@@ -338,6 +387,28 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     x: [T, D] -> each pair's expert output [T·k, D], in pair order (before the combine)."""
     h = moe_gemm(x, w_gate_up, sorted_pairs, offsets, block, top_k, swiglu=True)  # [T·k, I]
     return moe_gemm(h, w_down, sorted_pairs, offsets, block, 1)
+
+
+def grouped_rows_apply(x: torch.Tensor, block: int) -> bool:
+    """``moe_forward`` keeps the rows grouped between its GEMMs (``moe_experts_grouped``): switched on
+    (``QML_MOE_GROUPED_ROWS=1``) and a long prefill (128-row segments)."""
+    return MOE_GROUPED_ROWS and block >= 128
+
+
+def moe_experts_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, sorted_pairs: torch.Tensor,
+                        offsets: torch.Tensor, block: int, top_k: int) -> torch.Tensor:
+    """``moe_experts`` with the intermediate rows left grouped by expert: gate-up writes h [R, I] in
+    grouped-row order (``sorted_out``; padding rows zero), so the down projection reads contiguous rows
+    (``sorted_in``: through a TMA descriptor, no gather) and writes y [R, D] in that order too; the combine
+    then reads each pair's row through ``moe_align``'s inverse. Or the down projection as
+    ``torch._grouped_mm`` over the padded segments (``QML_MOE_GROUPED_DOWN=grouped_mm``, bf16 on CUDA), which
+    beat our down GEMM at 26,900 tokens on the H200 when given grouped rows (1,118 against 1,464-1,490 us a
+    layer, results/moe-gemm-sweep-order-h200-2026-12-03.json) and which needs them.
+    Returns y [R, D] (R = sorted_pairs' length; rows past the last segment unwritten)."""
+    h = moe_gemm(x, w_gate_up, sorted_pairs, offsets, block, top_k, swiglu=True, sorted_out=True)  # [R, I]
+    if GROUPED_DOWN == "grouped_mm" and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(h, w_down.transpose(1, 2), offs=offsets[1:])
+    return moe_gemm(h, w_down, sorted_pairs, offsets, block, 1, sorted_in=True, sorted_out=True)
 
 
 def moe_forward_ref(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

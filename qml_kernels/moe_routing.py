@@ -390,8 +390,8 @@ def moe_align_ref(ids: torch.Tensor, num_experts: int,
 
 @triton.jit
 def _moe_combine_kernel(
-    y_ptr, weights_ptr, out_ptr, D, stride_y, stride_out,
-    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    y_ptr, weights_ptr, rows_ptr, out_ptr, D, stride_y, stride_out,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
@@ -400,9 +400,13 @@ def _moe_combine_kernel(
     slots = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     pairs = token * TOP_K + slots
     w = tl.load(weights_ptr + pairs, mask=slots < TOP_K, other=0.0)  # [BLOCK_K]
+    if HAS_ROWS:  # y in grouped-row order: each pair's row from the alignment's inverse
+        src = tl.load(rows_ptr + pairs, mask=slots < TOP_K, other=0).to(tl.int64)
+    else:
+        src = pairs
     # the k rows in one [BLOCK_K, BLOCK_D] load: all k requests are in flight at once, where a loop
     # of k loads each followed by its use can wait out k memory latencies one after the other
-    y = tl.load(y_ptr + pairs[:, None] * stride_y + cols[None, :],
+    y = tl.load(y_ptr + src[:, None] * stride_y + cols[None, :],
                 mask=(slots < TOP_K)[:, None] & (cols < D)[None, :], other=0.0)
     acc = tl.sum(w[:, None] * y.to(tl.float32), axis=0)  # [BLOCK_D], fp32
     tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < D)
@@ -418,13 +422,19 @@ def _combine_blocks(T: int, D: int, config: MoERoutingConfig) -> tuple[int, int]
     return block_d, max(1, min(config.num_warps, block_d // 256))
 
 
-def moe_combine_triton(y: torch.Tensor, weights: torch.Tensor, *, out: torch.Tensor | None = None,
-                       config: MoERoutingConfig = MoERoutingConfig()) -> torch.Tensor:
-    """y: [T·k, D] (pair order), weights: [T, k] fp32 -> [T, D] in y.dtype."""
+def moe_combine_triton(y: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None = None, *,
+                       out: torch.Tensor | None = None, config: MoERoutingConfig = MoERoutingConfig()) -> torch.Tensor:
+    """y: [T·k, D] (pair order), weights: [T, k] fp32 -> [T, D] in y.dtype. ``rows`` [T·k] int32: y is in
+    another order (grouped rows, ``moe_align``'s inverse), pair p's row is y[rows[p]]."""
     assert weights.dim() == 2 and weights.dtype == torch.float32 and weights.is_contiguous(), \
         f"weights must be contiguous fp32 [T, k], got {weights.dtype} {tuple(weights.shape)}"
     T, k = weights.shape
-    assert y.dim() == 2 and y.shape[0] == T * k, f"y must be [{T * k}, D], got {tuple(y.shape)}"
+    if rows is None:
+        assert y.dim() == 2 and y.shape[0] == T * k, f"y must be [{T * k}, D], got {tuple(y.shape)}"
+    else:
+        assert rows.shape == (T * k,) and rows.dtype == torch.int32 and rows.is_contiguous(), \
+            f"rows must be contiguous int32 [{T * k}], got {rows.dtype} {tuple(rows.shape)}"
+        assert y.dim() == 2, f"y must be [rows, D], got {tuple(y.shape)}"
     assert y.dtype in _FLOAT_DTYPES and y.stride(-1) == 1, f"y: {y.dtype} with strides {y.stride()}"
     D = y.shape[1]
     if out is None:
@@ -435,14 +445,18 @@ def moe_combine_triton(y: torch.Tensor, weights: torch.Tensor, *, out: torch.Ten
         return out
     block_d, num_warps = _combine_blocks(T, D, config)
     _moe_combine_kernel[(T, triton.cdiv(D, block_d))](
-        y, weights, out, D, y.stride(0), out.stride(0),
-        TOP_K=k, BLOCK_K=triton.next_power_of_2(k), BLOCK_D=block_d, num_warps=num_warps, **pdl.launch_args(y),
+        y, weights, weights if rows is None else rows, out, D, y.stride(0), out.stride(0),
+        TOP_K=k, BLOCK_K=triton.next_power_of_2(k), BLOCK_D=block_d, HAS_ROWS=rows is not None,
+        num_warps=num_warps, **pdl.launch_args(y),
     )
     return out
 
 
-def moe_combine_ref(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y: [T·k, D], weights: [T, k] -> sum_j weights[t, j] · y[t·k + j]: [T, D] in y.dtype."""
+def moe_combine_ref(y: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """y: [T·k, D], weights: [T, k] -> sum_j weights[t, j] · y[t·k + j]: [T, D] in y.dtype (``rows``: pair p's
+    row is y[rows[p]])."""
+    if rows is not None:
+        y = y[rows.long()]
     T, k = weights.shape
     out = torch.zeros(T, y.shape[1], dtype=torch.float32, device=y.device)
     for j in range(k):  # slot order (the kernel may add in another order: fp32 roundings apart)
@@ -489,9 +503,10 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_size: int) -> tuple[tor
     return _moe_align(ids, num_experts, block_size)
 
 
-def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted sum of each token's expert outputs. y: [T·k, D] (pair order), weights: [T, k] -> [T, D]."""
-    return _moe_combine(y, weights)
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted sum of each token's expert outputs. y: [T·k, D] (pair order), weights: [T, k] -> [T, D].
+    ``rows`` [T·k]: y is in grouped-row order, pair p's output at y[rows[p]] (``moe_align``'s inverse)."""
+    return _moe_combine(y, weights, rows)
 
 
 # -- workbench ------------------------------------------------------------------------------

@@ -118,6 +118,69 @@ def test_decode_tiles_over_several_k_steps(swiglu, dtype):
     assert err <= TOLERANCES[dtype], f"{dtype} seed={seed}: rel err {err:.2e}"
 
 
+GROUPED_CONFIGS = {k: CONFIGS[k] for k in ("default", "small-tiles", "tma", "tma-small-tiles")}
+
+
+@pytest.mark.parametrize("config", GROUPED_CONFIGS.values(), ids=GROUPED_CONFIGS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grouped_rows_between_the_two_gemms(dtype, config):
+    """``sorted_out``: gate-up writes each pair's row at its grouped row (``inverse``) and zeros in the padding
+    rows; ``sorted_in``: the down GEMM reads those rows in order (through TMA with the TMA configs) and writes
+    grouped rows too. Both against the pair-order reference moved to grouped rows."""
+    seed, gen = _seeded()
+    T, E, k, D, Ie, block = 37, 5, 2, 48, 40, 16
+    ids = draw_expert_ids(T, E, k, gen, "sparse")  # empty experts: segments of zero rows
+    sorted_pairs, offsets, inverse = (t.to(DEVICE) for t in moe_align_ref(ids, E, block))
+    x = torch.randn(T, D, generator=gen).to(DEVICE, dtype)
+    w_gate_up = (torch.randn(E, 2 * Ie, D, generator=gen) * D**-0.5).to(DEVICE, dtype)
+    w_down = (torch.randn(E, D, Ie, generator=gen) * Ie**-0.5).to(DEVICE, dtype)
+    R, used, rows = sorted_pairs.shape[0], int(offsets[-1]), inverse.long()
+    padding = (sorted_pairs[:used] < 0).nonzero().flatten()
+    assert padding.numel() > 0
+    h = torch.full((R, Ie), float("nan"), dtype=dtype, device=DEVICE)
+    moe_gemm_triton(x, w_gate_up, sorted_pairs, offsets, block, k, swiglu=True, sorted_out=True, out=h, config=config)
+    h_ref = moe_gemm_ref(x.float(), w_gate_up.float(), sorted_pairs, offsets, block, k, swiglu=True)  # pair order
+    assert _rel_err(h[rows], h_ref) <= TOLERANCES[dtype], f"gate-up {dtype} seed={seed}"
+    assert (h[padding] == 0).all(), "padding rows must be written as zeros"
+    torch.testing.assert_close(moe_gemm_ref(x.float(), w_gate_up.float(), sorted_pairs, offsets, block, k,
+                                            swiglu=True, sorted_out=True)[rows], h_ref)
+    y = torch.full((R, D), float("nan"), dtype=dtype, device=DEVICE)
+    moe_gemm_triton(h, w_down, sorted_pairs, offsets, block, 1, sorted_in=True, sorted_out=True, out=y, config=config)
+    y_ref = moe_gemm_ref(h[rows].float(), w_down.float(), sorted_pairs, offsets, block, 1)  # pair order
+    assert _rel_err(y[rows], y_ref) <= TOLERANCES[dtype], f"down {dtype} seed={seed}"
+    assert (y[padding] == 0).all()
+    with pytest.raises(AssertionError, match="sorted_in"):
+        moe_gemm_triton(h, w_down, sorted_pairs, offsets, block, 1, sorted_in=True)  # pair-order output
+
+
+@pytest.mark.parametrize("down", ["triton", "grouped_mm"])
+def test_moe_forward_with_grouped_rows(monkeypatch, down):
+    """A long prefill (128-row segments) through ``moe_experts_grouped`` and the combine's inverse, all in
+    Triton, against the loop over experts (``grouped_mm`` falls back to our GEMM where torch's cannot run)."""
+    import qml_kernels.moe_gemm as moe_gemm_module
+
+    monkeypatch.setattr(moe_gemm_module, "MOE_GROUPED_ROWS", True)
+    monkeypatch.setattr(moe_gemm_module, "GROUPED_DOWN", down)
+    seed, gen = _seeded()
+    T, E, k, D, Ie = 400, 3, 1, 32, 24
+    assert moe_block_size(T * k, E) == 128
+    x = torch.randn(T, D, generator=gen)
+    logits = torch.randn(T, E, generator=gen)
+    w_gate_up = torch.randn(E, 2 * Ie, D, generator=gen) * D**-0.5
+    w_down = torch.randn(E, D, Ie, generator=gen) * Ie**-0.5
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+    args = [t.to(DEVICE, dtype) for t in (x, logits, w_gate_up, w_down)]
+    calls = []
+    grouped = moe_gemm_module.moe_experts_grouped
+    monkeypatch.setattr(moe_gemm_module, "moe_experts_grouped", lambda *a: calls.append(1) or grouped(*a))
+    with registry.using("triton"):
+        out = moe_forward(*args, k, True)
+    ref = moe_forward_ref(*(a.float() for a in args), k, True)
+    assert calls, "the grouped-row path did not run"
+    err = _rel_err(out, ref)
+    assert err <= FFN_TOLERANCES[dtype], f"{down} seed={seed}: rel err {err:.2e}"
+
+
 def test_reference_is_one_matmul_per_pair():
     """The looped reference against the definition written per pair, so the kernel is not
     checked against a wrong reference."""
@@ -241,29 +304,35 @@ def test_matches_torch_grouped_mm():
 
 # -- compilation for the H200 (sm_90a) -------------------------------------------------------
 
-def _signature(config: MoEGemmConfig) -> dict:
-    # without TMA the descriptor argument is w itself, never read
+def _signature(config: MoEGemmConfig, tma_a: bool = False) -> dict:
+    # without TMA the descriptor arguments are a and w themselves, never read
     w_desc = f"tensordesc<bf16[{config.block_n}, {config.block_k}]>" if config.tma_weights else "*bf16"
+    a_desc = f"tensordesc<bf16[{config.block_m}, {config.block_k}]>" if tma_a else "*bf16"
     return {
-        "a_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": w_desc, "out_ptr": "*bf16", "sorted_pairs_ptr": "*i32",
+        "a_ptr": "*bf16", "a_desc": a_desc, "w_ptr": "*bf16", "w_desc": w_desc, "out_ptr": "*bf16",
+        "sorted_pairs_ptr": "*i32",
         "offsets_ptr": "*i32", "N_OUT": "i32", "K": "i32", "E": "i32", "stride_a": "i32", "stride_we": "i32",
         "stride_wn": "i32", "stride_out": "i32", "NUM_M": "i32", "NUM_N": "i32",
         "PAIRS_PER_ROW": "constexpr", "SWIGLU": "constexpr",
         "PRECISION": "constexpr", "TMA_W": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-        "BLOCK_K": "constexpr", "BLOCK_E": "constexpr", "COLUMNS_FIRST": "constexpr",
+        "BLOCK_K": "constexpr", "BLOCK_E": "constexpr", "COLUMNS_FIRST": "constexpr", "SORTED_IN": "constexpr",
+        "SORTED_OUT": "constexpr", "TMA_A": "constexpr",
     }
 
 
-def _variant(block_size: int, swiglu: bool, pairs_per_row: int, config: MoEGemmConfig | None = None) -> dict:
+def _variant(block_size: int, swiglu: bool, pairs_per_row: int, config: MoEGemmConfig | None = None,
+             sorted_in: bool = False, sorted_out: bool = False) -> dict:
     """The bf16 kernel as the launcher specialises it for Qwen3-30B-A3B (128 experts; K = 2048 for
     gate-up, 768 for down), with the config it picks for ``block_size`` unless one is given."""
     config = config or moe_gemm_config(block_size, swiglu)
+    tma_a = sorted_in and config.tma_weights
     constexprs = {"PAIRS_PER_ROW": pairs_per_row, "SWIGLU": swiglu, "PRECISION": "tf32",
                   "TMA_W": config.tma_weights, "BLOCK_M": min(config.block_m, block_size),
                   "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "BLOCK_E": 128,
-                  "COLUMNS_FIRST": config.columns_first}
+                  "COLUMNS_FIRST": config.columns_first, "SORTED_IN": sorted_in, "SORTED_OUT": sorted_out,
+                  "TMA_A": tma_a}
     divisible = ("N_OUT", "K", "stride_a", "stride_we", "stride_wn", "stride_out")
-    return {"signature": _signature(config), "constexprs": constexprs, "num_warps": config.num_warps,
+    return {"signature": _signature(config, tma_a), "constexprs": constexprs, "num_warps": config.num_warps,
             "num_stages": config.num_stages, "divisible": divisible}
 
 
@@ -279,6 +348,9 @@ COMPILE_VARIANTS = {
                                                           dataclasses.replace(LARGE_TILE_CONFIG, tma_weights=False)),
     "gate-up-swiglu-long-prefill-rows-first": _variant(128, True, 8,
                                                        dataclasses.replace(LARGE_TILE_CONFIG, columns_first=False)),
+    # grouped-row order (moe_experts' sorted path): gate-up writes grouped rows, down reads them through TMA
+    "gate-up-swiglu-long-prefill-sorted-out": _variant(128, True, 8, sorted_out=True),
+    "down-long-prefill-sorted-in-out": _variant(128, False, 1, sorted_in=True, sorted_out=True),
 }
 # programs of the decode tiles that must fit on one SM together (228 KB of shared memory on Hopper),
 # so that the weight bytes in flight per SM are what SMALL_TILE_CONFIG's comment counts

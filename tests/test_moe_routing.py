@@ -271,6 +271,26 @@ def test_combine_shapes(T, k, D, dtype):
     assert torch.isfinite(out).all() and err <= TOLERANCES[dtype], f"{T}x{k}x{D} {dtype} seed={seed}: {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_combine_reads_grouped_rows_through_the_inverse(dtype):
+    """y in grouped-row order (padded segments, as moe_gemm's sorted_out writes it, NaN in every row no pair
+    owns): with the alignment's inverse as ``rows``, the same sums as from y in pair order."""
+    seed, gen = _seeded()
+    T, E, k, D, block = 13, 6, 3, 96, 16
+    ids = draw_expert_ids(T, E, k, gen)
+    sorted_pairs, _, inverse = moe_align_ref(ids, E, block)
+    y_pairs = torch.randn(T * k, D, generator=gen)
+    y_grouped = torch.full((sorted_pairs.shape[0], D), float("nan"))
+    y_grouped[inverse.long()] = y_pairs
+    weights = torch.softmax(torch.randn(T, k, generator=gen), dim=-1).to(DEVICE)
+    ref = moe_combine_ref(y_pairs.to(DEVICE), weights)
+    out = moe_combine_triton(y_grouped.to(DEVICE, dtype), weights, inverse.to(DEVICE))
+    assert torch.isfinite(out).all(), f"seed={seed}: a padding row was read"
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= TOLERANCES[dtype], f"{dtype} seed={seed}: rel err {err:.2e}"
+    torch.testing.assert_close(moe_combine_ref(y_grouped, weights.cpu(), inverse), ref.cpu())
+
+
 def test_combine_blocks():
     """Qwen3-30B-A3B (D=2048): 8 programs of 256 columns at one token, 1,024 columns from 64 tokens."""
     config = MoERoutingConfig()
@@ -346,8 +366,9 @@ _ALIGN_COUNT_SIG = {"ids_ptr": "*i32", "counts_ptr": "*i32", "P": "i32", "E": "i
 _ALIGN_SCAN_SIG = {"counts_ptr": "*i32", "num_chunks": "i32", "E": "i32", "BLOCK_C": "constexpr"}
 _ALIGN_SCATTER_SIG = {"ids_ptr": "*i32", "counts_ptr": "*i32", "sorted_pairs_ptr": "*i32", "offsets_ptr": "*i32",
                       "inverse_ptr": "*i32", "P": "i32", "E": "i32", "R": "i32", "num_chunks": "i32", **_ALIGN_BLOCKS}
-_COMBINE_SIG = {"y_ptr": "*bf16", "weights_ptr": "*fp32", "out_ptr": "*bf16", "D": "i32", "stride_y": "i32",
-                "stride_out": "i32", "TOP_K": "constexpr", "BLOCK_K": "constexpr", "BLOCK_D": "constexpr"}
+_COMBINE_SIG = {"y_ptr": "*bf16", "weights_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*bf16", "D": "i32",
+                "stride_y": "i32", "stride_out": "i32", "TOP_K": "constexpr", "BLOCK_K": "constexpr",
+                "BLOCK_D": "constexpr", "HAS_ROWS": "constexpr"}
 _CONFIG = MoERoutingConfig()
 # the launchers' tiles for Qwen3-30B-A3B (128 experts, top-8, hidden 2048): decode (16-row blocks)
 # and prefill (64-row blocks; 65,536 pairs at 8,192 tokens: 1,024 chunks)
@@ -355,10 +376,11 @@ _ALIGN_DECODE = dict(ALIGN=16, **_align_blocks(128, 16, _CONFIG))
 _ALIGN_PREFILL = dict(ALIGN=64, **_align_blocks(128, 64, _CONFIG))
 
 
-def _combine_variant(T: int) -> dict:
+def _combine_variant(T: int, has_rows: bool = False) -> dict:
     block_d, num_warps = _combine_blocks(T, 2048, _CONFIG)
     return {"kernel": _moe_combine_kernel, "signature": _COMBINE_SIG, "num_warps": num_warps,
-            "constexprs": {"TOP_K": 8, "BLOCK_K": 8, "BLOCK_D": block_d}, "divisible": ("D", "stride_y", "stride_out")}
+            "constexprs": {"TOP_K": 8, "BLOCK_K": 8, "BLOCK_D": block_d, "HAS_ROWS": has_rows},
+            "divisible": ("D", "stride_y", "stride_out")}
 
 
 COMPILE_VARIANTS = {
@@ -374,6 +396,7 @@ COMPILE_VARIANTS = {
                                     "constexprs": _ALIGN_PREFILL},
     "combine-qwen3-30b-a3b-decode": _combine_variant(1),
     "combine-qwen3-30b-a3b-prefill": _combine_variant(8192),
+    "combine-qwen3-30b-a3b-prefill-grouped-rows": _combine_variant(26900, has_rows=True),
 }
 
 
