@@ -22,7 +22,10 @@ Two ways to send a prompt (``--api``):
   (``chat_template_tokens``: the chat count minus ``/v1/completions``' count of the same text).
 
 TTFT: from sending a streamed request (``max_tokens=1``) to the first chunk carrying a token
-(text, or the finish chunk if the token decoded to no text); median of ``--repeats`` runs.
+(text, or the finish chunk if the token decoded to no text); median of ``--repeats`` runs. The runs of a
+size have the same length unless ``--length-step N`` gives run i ``i·N`` more tokens: real prompts rarely
+repeat a length, and a server that builds something per length (a kernel plan, a graph) pays for it in each
+such run, not only in the first.
 Decode: one streamed request of ``--decode-tokens`` tokens with ``ignore_eos``, after one
 unmeasured warm-up of the same shape; ms/token = (last token's arrival - first token's
 arrival) / (tokens - 1), tokens counted by ``usage`` (``stream_options.include_usage``).
@@ -186,14 +189,18 @@ def run_bench(base_url: str = DEFAULT_BASE_URL, api_key: str | None = None, mode
               decode_prompt_tokens: int | None = None, timeout: float = 600.0, command: str | None = None,
               progress: Callable[[str], None] = lambda _: None, api: str = "completions",
               concurrency: int | None = None, concurrency_prompt_tokens: int = DEFAULT_CONCURRENCY_PROMPT_TOKENS,
-              concurrency_rounds: int = 1, concurrency_only: bool = False, reference: str = "auto") -> dict:
-    """Measure TTFT per prompt size, decode speed and (with ``concurrency``) throughput; returns the result record."""
+              concurrency_rounds: int = 1, concurrency_only: bool = False, reference: str = "auto",
+              length_step: int = 0) -> dict:
+    """Measure TTFT per prompt size, decode speed and (with ``concurrency``) throughput; returns the result record.
+    ``length_step``: run i of a size has i · length_step more tokens (0: all runs of a size have its length)."""
     if api not in APIS:
         raise BenchError(f"unknown API {api!r}: use one of {', '.join(APIS)}")
     if decode_tokens < 2:
         raise BenchError("--decode-tokens must be at least 2 (ms/token is measured between tokens)")
     if concurrency_only and not concurrency:
         raise BenchError("--concurrency-only needs --concurrency N")
+    if length_step < 0:
+        raise BenchError(f"--length-step must be >= 0, got {length_step}")
     if reference not in ("auto", "none", *REFERENCE):
         raise BenchError(f"unknown reference {reference!r}: use auto, none or one of {', '.join(REFERENCE)}")
     decode_prompt_tokens = decode_prompt_tokens or min(prompt_tokens)
@@ -201,7 +208,7 @@ def run_bench(base_url: str = DEFAULT_BASE_URL, api_key: str | None = None, mode
     try:
         return _measure_all(client, base_url, model, list(prompt_tokens), repeats, decode_tokens,
                             decode_prompt_tokens, command, progress, api, concurrency, concurrency_prompt_tokens,
-                            concurrency_rounds, concurrency_only, reference)
+                            concurrency_rounds, concurrency_only, reference, length_step)
     except _httpx().HTTPError as exc:  # refused connection, timeout, broken stream
         raise BenchError(f"{base_url}: {type(exc).__name__}: {exc}") from exc
     finally:
@@ -211,12 +218,13 @@ def run_bench(base_url: str = DEFAULT_BASE_URL, api_key: str | None = None, mode
 def _measure_all(client: Client, base_url: str, model: str | None, prompt_tokens: list[int], repeats: int,
                  decode_tokens: int, decode_prompt_tokens: int, command: str | None, progress: Callable[[str], None],
                  api: str, concurrency: int | None, concurrency_prompt_tokens: int, concurrency_rounds: int,
-                 concurrency_only: bool, reference: str) -> dict:
+                 concurrency_only: bool, reference: str, length_step: int = 0) -> dict:
     card = client.pick_model(model)
     max_len = card.get("max_model_len")
     shapes = [] if concurrency_only else [*((s, 1) for s in prompt_tokens), (decode_prompt_tokens, decode_tokens)]
     if concurrency:
         shapes.append((concurrency_prompt_tokens, decode_tokens))
+    shapes += [(s + (repeats - 1) * length_step, 1) for s in ([] if concurrency_only else prompt_tokens)]
     for size, new in shapes:
         if max_len and size + new > max_len:
             raise BenchError(f"a {size}-token prompt + {new} new tokens exceeds the server's context "
@@ -248,11 +256,14 @@ def _measure_all(client: Client, base_url: str, model: str | None, prompt_tokens
     decode: dict | None = None
     if not concurrency_only:
         for target in prompt_tokens:
-            runs = [client.stream(prompts.make(target), max_tokens=1) for _ in range(repeats)]
+            # with a length step each run is a length the server has not seen (as real prompts are): a server
+            # that builds something per length pays it in every run, not only the first
+            lengths = [target + i * length_step for i in range(repeats)]
+            runs = [client.stream(prompts.make(n), max_tokens=1) for n in lengths]
             row = {
                 "target_prompt_tokens": target,
                 "prompt_tokens": [r.prompt_tokens for r in runs],
-                "prompt_tokens_miss": max(abs(r.prompt_tokens - target) for r in runs),
+                "prompt_tokens_miss": max(abs(r.prompt_tokens - n) for r, n in zip(runs, lengths)),
                 "ttft_ms": [round(r.ttft_s * 1e3, 3) for r in runs],
                 "ttft_median_ms": round(statistics.median(r.ttft_s for r in runs) * 1e3, 3),
                 "cached_tokens": [r.cached_tokens for r in runs],
@@ -261,7 +272,7 @@ def _measure_all(client: Client, base_url: str, model: str | None, prompt_tokens
             progress(f"{target} tokens: TTFT median {row['ttft_median_ms']:.1f} ms  runs {row['ttft_ms']}  "
                      f"cached {row['cached_tokens']}")
             if row["prompt_tokens_miss"]:
-                notes.append(f"{target}-token prompts came out as {row['prompt_tokens']} tokens")
+                notes.append(f"{lengths}-token prompts came out as {row['prompt_tokens']} tokens")
             if any(row["cached_tokens"]):
                 notes.append(f"{target}-token prompts had cached tokens {row['cached_tokens']} "
                              "(does the server ignore cache_salt?)")
@@ -284,7 +295,7 @@ def _measure_all(client: Client, base_url: str, model: str | None, prompt_tokens
                      "nonce_digits": NONCE_DIGITS, "concurrency": concurrency,
                      "concurrency_prompt_tokens": concurrency_prompt_tokens if concurrency else None,
                      "concurrency_rounds": concurrency_rounds if concurrency else None,
-                     "concurrency_only": concurrency_only},
+                     "concurrency_only": concurrency_only, "length_step": length_step},
         "prompts": api_info,
         "calibration_requests": prompts.sizer.requests if isinstance(prompts, ChatPrompts) else 0,
         "ttft": ttft,
@@ -552,6 +563,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: {','.join(map(str, DEFAULT_PROMPT_TOKENS))})")
     parser.add_argument("--repeats", type=positive_int, default=3, help="new prompts per size; TTFT is their median "
                                                                         "(default: %(default)s)")
+    parser.add_argument("--length-step", type=int, default=0,
+                        help="run i of each size gets i times this many more tokens, so that every prompt has a "
+                             "length the server has not seen, as real prompts do (default: 0, every run of a size "
+                             "the same length)")
     parser.add_argument("--decode-tokens", type=positive_int, default=256,
                         help="tokens generated for the decode measurement, and per concurrency request "
                              "(default: %(default)s)")
@@ -572,7 +587,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="write the result as JSON to this file")
 
 
-_FLAGS = ("--base-url", "--model", "--api", "--prompt-tokens", "--repeats", "--decode-tokens",
+_FLAGS = ("--base-url", "--model", "--api", "--prompt-tokens", "--repeats", "--length-step", "--decode-tokens",
           "--decode-prompt-tokens", "--concurrency", "--concurrency-prompt-tokens", "--concurrency-rounds",
           "--concurrency-only", "--reference", "--timeout", "--out")
 
@@ -585,7 +600,7 @@ def bench_serve_command(args: argparse.Namespace) -> int:
                            progress=lambda msg: print(msg, file=sys.stderr, flush=True), api=args.api,
                            concurrency=args.concurrency, concurrency_prompt_tokens=args.concurrency_prompt_tokens,
                            concurrency_rounds=args.concurrency_rounds, concurrency_only=args.concurrency_only,
-                           reference=args.reference)
+                           reference=args.reference, length_step=args.length_step)
     except BenchError as exc:
         print(f"qml bench serve: {exc}", file=sys.stderr)
         return 1

@@ -108,6 +108,18 @@ def test_bench_serve_chat_api(server):
     assert "API: chat" in bench.markdown(result)
 
 
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_bench_serve_length_step(server, api):
+    """--length-step: run i of a size is i·step tokens longer, hit exactly on both APIs (chat calibrates each)."""
+    result = bench.run_bench(server, KEY, prompt_tokens=[60, 90], repeats=3, decode_tokens=4, api=api,
+                             length_step=5)
+    assert [row["prompt_tokens"] for row in result["ttft"]] == [[60, 65, 70], [90, 95, 100]]
+    assert all(row["prompt_tokens_miss"] == 0 for row in result["ttft"]) and result["notes"] == []
+    assert result["settings"]["length_step"] == 5
+    with pytest.raises(bench.BenchError, match="length-step"):
+        bench.run_bench(server, KEY, prompt_tokens=[60], decode_tokens=4, length_step=-1)
+
+
 def test_bench_serve_concurrency(server, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", "serve", "--base-url", server, "--api-key", KEY, "--concurrency", "4",
@@ -236,6 +248,7 @@ def test_flags():
     assert args.prompt_tokens == [133, 598, 2340, 8892, 26926] and args.repeats == 3 and args.decode_tokens == 256
     assert args.base_url == "http://127.0.0.1:8000/v1" and args.api == "completions"
     assert args.concurrency is None and args.concurrency_prompt_tokens == 2048 and args.reference == "auto"
+    assert args.length_step == 0
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["bench", "serve", "--prompt-tokens", "10,x"])
     with pytest.raises(SystemExit):
