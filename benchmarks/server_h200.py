@@ -92,11 +92,11 @@ def drop_page_cache(directory: Path) -> int:
     return n
 
 
-def run_serve(out: Path, prompt_tokens: str, concurrency: int, repeats: int = 3) -> int:
+def run_serve(out: Path, prompt_tokens: str, concurrency: int, repeats: int = 3, length_step: int = 0) -> int:
     proc = start_server(out, "serve")
     try:
         return bench(out, "serve", "serve", "--prompt-tokens", prompt_tokens, "--concurrency", str(concurrency),
-                     "--repeats", str(repeats),
+                     "--repeats", str(repeats), "--length-step", str(length_step),
                      "--concurrency-prompt-tokens", "2048", "--out", str(out / "bench-serve.json"))
     finally:
         stop_server(proc)
@@ -148,6 +148,8 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", default="133,598,2340,8892,26926")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="serve: TTFT runs per prompt size (median)")
+    parser.add_argument("--length-step", type=int, default=0,
+                        help="serve: run i of a size i times this many tokens longer (qml bench serve --length-step)")
     # a GPU pool of 82k tokens: the two ~28k-token histories fit, 100k tokens of other prompts push
     # them out to host RAM; the disk budget holds everything written (the machine has 64 GB of disk)
     parser.add_argument("--tier-flags", default="--kv-cache-gib 10 --kv-host-gib 40 --kv-disk-gib 40",
@@ -159,7 +161,8 @@ def main() -> int:
     SERVE_FLAGS.extend(args.serve_flags.split())
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    rc = run_serve(args.out, args.prompt_tokens, args.concurrency, args.repeats) if args.mode == "serve" else run_sessions(
+    rc = run_serve(args.out, args.prompt_tokens, args.concurrency, args.repeats,
+                   args.length_step) if args.mode == "serve" else run_sessions(
         args.out, args.users, args.turns, args.turn_tokens, args.tier_flags, args.evict_tokens,
         args.first_turn_tokens)
     print(json.dumps({"mode": args.mode, "rc": rc, "seconds": round(time.time() - t0, 1)}), flush=True)
