@@ -11,7 +11,13 @@ batched with. Reference and kernel use different generators (torch's seeded by
 right distribution, they do not draw the same tokens.
 
 The Triton kernel runs one program per row and never sorts. Each pass reads the row
-(B*V*bytes from HBM for the first, mostly L2 hits after); FLOPs are negligible.
+(B*V*bytes from HBM for the first, mostly L2 hits after); FLOPs are negligible. A pass
+keeps its running values per lane (a max and its index, a min, a count or mass) and
+reduces across the lanes once, after its loop: with a reduction in every block step, each
+of the 37 steps of a 152K-token row waited on shared-memory barriers (the sampler was
+28-36 us of a Qwen3-30B-A3B batch-1 decode graph on the H200, all of it pass 1 for greedy
+rows; decode-overhead-qwen3-30b-a3b-active-splits-2026-12-04.json; the per-lane form is
+not yet timed there).
 1. max, argmax and min of the raw logits. Greedy rows stop here.
 2. In ``d = (x - max) * log2(e) / T`` (log2 of each token's probability relative to
    the most likely one) every filter is a cut ``keep d >= tau``, so the kernel looks
@@ -21,8 +27,8 @@ The Triton kernel runs one program per row and never sorts. Each pass reads the 
    bracket snaps to token values and stops once it holds a single value. The cut is
    then exactly the k-th largest value (top-k), or exactly the value of the nucleus's
    last token (top-p, whose target is top_p times the mass of the top-k set, one
-   more pass), up to fp32 rounding of masses summed in a tree (relative ~1e-6, as
-   the reference's fp32 cumsum). Ties at a cut are kept whole (the reference, by
+   more pass), up to fp32 rounding of masses summed per lane, then in a tree
+   (relative ~1e-6, as the reference's fp32 cumsum). Ties at a cut are kept whole (the reference, by
    sorting, keeps an arbitrary subset). Each step halves the bracket, so a search
    takes about log2(range / spacing of the values near the cut) passes: typically
    8-12 for logits from a bf16 matmul, up to ~20 for arbitrary fp32. ``search_steps``
@@ -79,22 +85,23 @@ def _exp_draw(seed, index, step, STREAM: tl.constexpr):
 
 @triton.jit
 def _pass_at(base, V, x_max, scale, t, BLOCK: tl.constexpr, MASS: tl.constexpr):
-    """Count (or mass 2^d) of the tokens with d >= t, and the nearest token values below and at/above t."""
+    """Count (or mass 2^d) of the tokens with d >= t, and the nearest token values below and at/above t.
+    Accumulated per lane and reduced across the lanes once, after the loop (as pass 1)."""
     cols = tl.arange(0, BLOCK)
-    f = 0.0
-    below = -float("inf")
-    above = float("inf")
+    f = tl.zeros([BLOCK], tl.float32)
+    below = tl.full([BLOCK], -float("inf"), tl.float32)
+    above = tl.full([BLOCK], float("inf"), tl.float32)
     for start in range(0, V, BLOCK):
         idx = start + cols
         d = (tl.load(base + idx, mask=idx < V, other=-float("inf")).to(tl.float32) - x_max) * scale  # [BLOCK]
         ge = d >= t
         if MASS:
-            f += tl.sum(tl.where(ge, tl.exp2(d), 0.0), axis=0)
+            f += tl.where(ge, tl.exp2(d), 0.0)
         else:
-            f += tl.sum(ge.to(tl.float32), axis=0)
-        below = tl.maximum(below, tl.max(tl.where(ge, -float("inf"), d), axis=0))
-        above = tl.minimum(above, tl.min(tl.where(ge, d, float("inf")), axis=0))
-    return f, below, above
+            f += ge.to(tl.float32)
+        below = tl.maximum(below, tl.where(ge, -float("inf"), d))
+        above = tl.minimum(above, tl.where(ge, d, float("inf")))
+    return tl.sum(f, axis=0), tl.max(below, axis=0), tl.min(above, axis=0)
 
 
 @triton.jit
@@ -122,16 +129,23 @@ def _sample_kernel(logits_ptr, stride_b, V, temperature_ptr, top_k_ptr, top_p_pt
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_b
     cols = tl.arange(0, BLOCK)
-    x_max = -float("inf")
-    x_min = float("inf")
-    arg = 0
+    # pass 1 keeps a running max, its index and a running min per lane, and reduces across the lanes once
+    # after the loop: a reduction in every step (three, each through shared memory and barriers) made the
+    # loop wait on itself 37 times for a 152K vocabulary, ~30 us of a batch-1 decode step on the H200
+    lane_max = tl.full([BLOCK], -float("inf"), tl.float32)
+    lane_arg = tl.zeros([BLOCK], tl.int32)
+    lane_min = tl.full([BLOCK], float("inf"), tl.float32)
     for start in range(0, V, BLOCK):
         idx = start + cols
         x = tl.load(base + idx, mask=idx < V, other=-float("inf")).to(tl.float32)  # [BLOCK]
-        b_max, b_arg = tl.max(x, axis=0, return_indices=True)  # ties: lowest index
-        arg = tl.where(b_max > x_max, start + b_arg, arg)  # strict: an earlier block keeps its tie
-        x_max = tl.maximum(x_max, b_max)
-        x_min = tl.minimum(x_min, tl.min(tl.where(x > -float("inf"), x, float("inf")), axis=0))
+        better = x > lane_max  # strict: a lane keeps the first index of its max (ties: lowest index)
+        lane_arg = tl.where(better, idx, lane_arg)
+        lane_max = tl.where(better, x, lane_max)
+        lane_min = tl.minimum(lane_min, tl.where(x > -float("inf"), x, float("inf")))
+    x_max = tl.max(lane_max, axis=0)
+    # the lowest index among the lanes holding the max (all lanes when every logit is -inf: index 0)
+    arg = tl.min(tl.where(lane_max == x_max, lane_arg, V), axis=0)
+    x_min = tl.min(lane_min, axis=0)
 
     token = arg
     tau = 0.0
