@@ -88,7 +88,10 @@ def test_bench_serve_end_to_end(server, tmp_path, capsys):
         assert row["cached_tokens"] == [0, 0, 0]  # every prompt new: no prefix cache hit
     decode = result["decode"]
     assert decode["completion_tokens"] == 16 and decode["prompt_tokens"] == 40
-    assert decode["ms_per_token"] > 0 and decode["tokens_per_s"] > 0 and decode["cached_tokens"] == 0
+    # a tiny model on a busy CI core can stream all 16 tokens before the client reads the first: they then
+    # arrive in one read (0 ms/token, no rate) instead of spread out; timing is not what this checks
+    assert decode["ms_per_token"] >= 0 and decode["cached_tokens"] == 0
+    assert decode["tokens_per_s"] is None or decode["tokens_per_s"] > 0
     assert result["concurrency"] is None and result["reference"] is None
     assert result["notes"] == []
     # the markdown table on stdout
@@ -136,7 +139,9 @@ def test_bench_serve_concurrency(server, tmp_path, capsys):
     assert c["steady_tokens_per_s"] is not None and c["steady_tokens_per_s"] > 0
     for key in ("ttft_ms", "itl_ms", "tpot_ms"):
         s = c[key]
-        assert 0 < s["p50"] <= s["p90"] <= s["p99"] <= s["max"], (key, s)
+        # gaps between tokens may be 0 when a busy client reads several chunks at once (a request never is)
+        assert s["p50"] > 0 if key == "ttft_ms" else s["p50"] >= 0, (key, s)
+        assert s["p50"] <= s["p90"] <= s["p99"] <= s["max"], (key, s)
     # a gap between successive text chunks: at most one per token after the first (held-back bytes merge chunks)
     assert c["ttft_ms"]["n"] == 8 and 0 < c["itl_ms"]["n"] <= 8 * 11
     assert "| 4 x 2 | 64 | 12 |" in captured.out
