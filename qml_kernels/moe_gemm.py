@@ -30,14 +30,17 @@ this is a stream of ``A`` experts' weights (bandwidth-bound), at long prefills c
 dispatched on its own; ``moe_forward_ref`` is the same function as a loop over experts.
 
 Grouped rows between the GEMMs (``moe_experts_grouped``, ``QML_MOE_GROUPED_ROWS=1``, long prefills only;
-off by default until timed on the H200): the gate-up GEMM can write its rows where they sit in the grouping
+off by default, measured below): the gate-up GEMM can write its rows where they sit in the grouping
 (``sorted_out``: [R, I], padding rows zero) instead of in pair order, so the down GEMM reads each tile's rows
 as one contiguous block (``sorted_in``: a TMA load instead of a gather by pair) and writes grouped rows too,
 which the combine reads through the alignment's inverse. Grouped rows are also what ``torch._grouped_mm``
 needs: at 26,900 tokens it ran the down projection in 1,118 us a layer against our 1,464-1,490 on the H200,
 but only when handed rows already grouped (results/moe-gemm-sweep-order-h200-2026-12-03.json);
 ``QML_MOE_GROUPED_DOWN=grouped_mm`` takes it for the down GEMM. ``benchmarks/moe_gemm_sweep.py --grid
-grouped`` times the variants.
+grouped`` times the variants. Timed on the H200 (2026-12-04, results/serve-h200-qwen3-30b-a3b-2026-12-04.md):
+our pair-order down GEMM ran at 1,328 us a layer at 26,900 tokens that day, grouped through TMA 1,287, torch's
+1,236; the whole layer 3,943 / 3,916 / 4,206 us, and a 26,900-token prompt's TTFT 800.1 / 796.9 / 794.3 ms
+in-process (8,890: 162.4 / 161.6 / 162.9): 3-6 ms, within the spread of runs, so the switch stays off.
 
 Launch configs: ``moe_gemm_config(block_size, swiglu)`` gives 16-row segments (decode, short prefills)
 narrow, deep tiles with five pipeline stages, so the weight stream keeps enough bytes in flight
@@ -75,7 +78,7 @@ from qml_kernels.workbench.spec import Case, OpSpec, register_spec
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # long prefills keep the rows grouped by expert between the two GEMMs (moe_experts_grouped): written and
-# checked on CPU, not yet timed on the H200, so off by default
+# timed on the H200: 3-6 ms off a 26,900-token prompt's ~800, within run-to-run spread (module docstring), so off
 MOE_GROUPED_ROWS = os.environ.get("QML_MOE_GROUPED_ROWS", "0") == "1"
 GROUPED_DOWN = os.environ.get("QML_MOE_GROUPED_DOWN", "triton")  # or "grouped_mm" (torch._grouped_mm)
 
@@ -284,7 +287,9 @@ def moe_gemm_triton(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor
     if P == 0 or n_out == 0 or R == 0:
         return out
     block_n = min(config.block_n, max(16, triton.next_power_of_2(n_out)))
-    block_k = min(config.block_k, max(16, triton.next_power_of_2(K)))
+    # the configs are sized for 2-byte elements: fp32 goes half as deep in K, the same shared memory a stage
+    # (the one-token gate-up tile's 3 x 80 KB at fp32 is more than an H200 SM has)
+    block_k = min(max(16, config.block_k * 2 // a.element_size()), max(16, triton.next_power_of_2(K)))
     tma = config.tma_weights and _tma_weights_ok(w)
     # w as [E·N, K] rows for the descriptor (tma); otherwise w itself, never read through it
     w_desc = TensorDescriptor.from_tensor(w.view(E * N, K), [block_n, block_k]) if tma else w

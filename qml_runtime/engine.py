@@ -76,6 +76,13 @@ PERSIST_SHARE = 0.02
 # (the host has nothing else to do until its tokens are ready; on the H200 the 2% after a 20k-token
 # prompt's step held the next request for ~13 ms, in-process --call-timers). Then none after the step.
 PERSIST_BESIDE_SHARE = 0.5
+# kept pages are pumped down beside a prefill of at least this many new tokens: a burst's prompts, not a
+# conversation's next turn, whose first token is the latency that counts (a long prefill hides the copies:
+# ~7 of an 8,890-token prompt's 173 ms on the H200). Sessions bench on the H200 (Llama-3.1-8B shapes,
+# results/sessions-h200-2026-12-04.md): the pump switched off entirely took the second user's GPU turn
+# 25.0 -> 22.3 ms but the host turn after a burst 97.5 -> 123.6; with this rule the host row stayed (91.3)
+# and the second user's turn too (24.7: its time goes elsewhere), so it costs nothing measured
+PUMP_BESIDE_MIN_TOKENS = 1024
 
 
 @dataclass
@@ -140,6 +147,7 @@ class Engine:
         self.warmup = device.type == "cuda" if warmup is None else warmup
         # decode steps launched one ahead of their tokens (_loop); False: every step waited for
         self.overlap = overlap
+        self.pump_beside_min_tokens = PUMP_BESIDE_MIN_TOKENS
         # the start-up heap moved out of the cyclic GC's sight while serving (start): on by default on a GPU
         self.freeze_heap = device.type == "cuda" if freeze_heap is None else freeze_heap
         self._froze = False
@@ -481,6 +489,7 @@ class Engine:
         # arriving after it would otherwise evict pages whose copies still wait: 3.5 GB to gather and copy
         # beside its restore, ~100 ms more on the H200)
         pump_pages = (self.tiers.pages_beside(seconds) if pure_prefill and self.tiers.deferred
+                      and sum(n for _, n in chunks) >= self.pump_beside_min_tokens
                       and self.tiers.pump_beside and self._pool_tight() else 0)
         # finished requests' pages go to the tiers while the device runs the prefill, not after it, where
         # the next request (sent as soon as its client had this step's token) waited for them

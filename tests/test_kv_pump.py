@@ -89,6 +89,7 @@ def test_a_long_prefill_takes_the_backlog_down_beside_it(engine, expected, monke
     monkeypatch.setattr(type(eng.tiers), "pump", recorded)
     eng.runner.step = step_flagged
     eng._pump = lambda: False  # no chunk between steps or while idle
+    eng.pump_beside_min_tokens = 64  # the tiny model's "long" prompt
     try:
         eng.tiers.defer_persist = eng.tiers.save_in_place = True
         ids2, cacheable = turns(eng)
@@ -128,6 +129,7 @@ def _long_prefill_after_a_turn(eng, monkeypatch, before_prefill=lambda: None) ->
     calls = []
     monkeypatch.setattr(type(eng.tiers), "pump", lambda self, *a, **k: calls.append((a, k)) or True)
     eng._pump = lambda: False
+    eng.pump_beside_min_tokens = 64  # the tiny model's "long" prompt counts as long (``before_prefill`` may change it)
     eng.tiers.defer_persist = eng.tiers.save_in_place = True
     turns(eng)
     kept = eng.tiers.deferred
@@ -137,6 +139,21 @@ def _long_prefill_after_a_turn(eng, monkeypatch, before_prefill=lambda: None) ->
     eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": long}]),
                       SamplingParams(max_tokens=1, temperature=0))
     assert calls == [] and eng.tiers.deferred >= kept
+
+
+def test_a_short_prefill_leaves_the_backlog_to_the_pump_between_steps(engine, monkeypatch):
+    """A prefill of fewer new tokens than ``pump_beside_min_tokens`` (a conversation's next turn) runs without
+    the pump's copies beside it, even in a tight pool: the kept pages wait for the pump between steps."""
+    eng = sibling(engine, num_blocks=12, host_bytes=64 * 2**20)
+
+    def short_and_tight():
+        assert eng._pool_tight()
+        eng.pump_beside_min_tokens = 10_000  # more than the prompt below has
+
+    try:
+        _long_prefill_after_a_turn(eng, monkeypatch, short_and_tight)
+    finally:
+        eng.shutdown()
 
 
 def test_a_roomy_pool_leaves_the_backlog_to_the_pump_between_steps(engine, monkeypatch):

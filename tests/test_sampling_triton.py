@@ -96,7 +96,7 @@ def test_kept_set_is_exactly_the_references(dtype, config):
     seed, gen = _seeded()
     B, V = 24, 700
     # distinct values (ties at a cut are kept whole by the kernel, arbitrarily split by the reference)
-    values = torch.linspace(-8, 8, V, device=DEVICE).to(dtype)
+    values = _distinct_values(V, dtype)
     logits = torch.stack([values[torch.randperm(V, generator=gen, device=DEVICE)] for _ in range(B)])
 
     def pick(options: list) -> torch.Tensor:
@@ -116,6 +116,24 @@ def test_kept_set_is_exactly_the_references(dtype, config):
                      f"{expected[bad].sum(-1).tolist()} (top_k {top_k[bad].tolist()}, top_p {top_p[bad].tolist()}, "
                      f"min_p {min_p[bad].tolist()})")
     assert kept[torch.arange(B), tokens].all(), f"seed={seed}: a token outside the kept set was drawn"
+
+
+def _distinct_values(V: int, dtype: torch.dtype) -> torch.Tensor:
+    """V distinct values of ``dtype`` in [-8, 8]: an even grid, or, where the dtype rounds the grid's points
+    together (bf16 keeps 8 significant bits: 700 points 0.023 apart meet in steps of 0.0625 near 8), an even
+    pick from the distinct values it has there."""
+    values = torch.linspace(-8, 8, V, device=DEVICE).to(dtype)
+    if values.unique().numel() < V:
+        have = torch.linspace(-8, 8, 64 * V, device=DEVICE).to(dtype).unique()  # sorted
+        values = have[torch.linspace(0, have.numel() - 1, V, device=DEVICE).round().long()]
+    assert values.unique().numel() == V, f"{dtype}: no {V} distinct values in [-8, 8]"
+    return values
+
+
+def test_distinct_values_are_distinct_in_every_dtype():
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert _distinct_values(700, dtype).unique().numel() == 700
+    assert torch.linspace(-8, 8, 700).to(torch.bfloat16).unique().numel() < 700  # why bf16 needs the pick
 
 
 def test_ties_at_the_top_k_cut_are_kept_whole():
