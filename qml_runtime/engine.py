@@ -134,7 +134,7 @@ class Engine:
         self.blocks = BlockManager(cache.num_blocks, cache.block_size)
         self.tiers = self._make_tiers(cache, fingerprint)
         if self.tiers is not None:
-            self.blocks.on_evict = self.tiers.spill
+            self.blocks.on_evict = self.tiers.spill_many
         self.scheduler = Scheduler(scheduler, self.blocks, fingerprint, cache.enable_prefix_caching, self.tiers)
         graphs = {}
         if cuda_graphs and device.type == "cuda":

@@ -169,7 +169,7 @@ def _scheduler_with_host_tier(num_blocks: int = 8):
     kv.data.normal_()  # page contents to find again
     tiers = KVTiers(kv, HostTier(kv.block_bytes, 64 * kv.block_bytes, pin=False), None)
     blocks = BlockManager(num_blocks, S)
-    blocks.on_evict = tiers.spill
+    blocks.on_evict = tiers.spill_many
     return Scheduler(SchedulerConfig(max_batched_tokens=1000), blocks, b"fp", tiers=tiers), kv
 
 

@@ -205,3 +205,37 @@ def test_evicting_saved_pages_asks_once_per_batch_not_per_page(monkeypatch):
     tiers._saving = {7: (3, done)}
     tiers.spill(7, b"name-7", (7,))
     assert done.queries == 1 and waited == [new] and tiers._saved_seq == 3  # finished: no wait
+
+
+def test_spill_many_leaves_what_spills_one_by_one_leave(monkeypatch):
+    """``spill_many`` (one call per ``BlockManager.grow``) against ``spill`` page by page on twin tiers: pages kept
+    in host RAM (some still being saved by the pump, in two batches), one kept but not copied yet (deferred), and
+    pages the host tier does not hold (new slots, evicting old entries). Same host LRU order, slots,
+    pending copies, deferred pages, stats, and the compute stream waits for the newest pump batch only."""
+    def state(tiers):
+        return (list(tiers.host._lru.items()), sorted(tiers.host._free), list(tiers._pending),
+                dict(tiers._deferred), tiers._saving, tiers.stats.spilled_host)
+
+    runs, waits = [], []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
+        "S", (), {"wait_event": lambda self, e: waits[-1].append(e)})())
+    for one_by_one in (True, False):
+        tiers = _tiers(pages=8, slots=6)
+        tiers.persist([(p, b"name-%d" % p, (p,), None) for p in (0, 1, 2, 3, 4)])  # 5 slots, deferred
+        tiers.pump_pages = 4
+        tiers.pump()  # pages 0-3 go down (the reference copies at once on CPU); page 4 stays deferred
+        old, new = _FakeEvent(done=False), _FakeEvent(done=False)
+        tiers._saving = {0: (1, old), 1: (1, old), 2: (2, new), 3: (2, new)}
+        tiers._save_seq = 2
+        evicted = [(p, b"name-%d" % p, (p,)) for p in (2, 0, 4, 5, 3, 6, 1)]  # 5 and 6: not in host RAM
+        waits.append([])
+        if one_by_one:
+            for page, name, tokens in evicted:
+                tiers.spill(page, name, tokens)
+        else:
+            tiers.spill_many(evicted)
+        runs.append(state(tiers))
+    assert runs[0] == runs[1]
+    assert waits[1] == [new] and not runs[1][4]  # one wait, for batch 2, which covers batch 1
+    # pages 5 and 6 took host slots, evicting the oldest entries (1 among them: page 1 came back as a spill)
+    assert runs[1][5] == 3

@@ -174,7 +174,7 @@ def test_next_turn_copies_known_names_and_hashes_only_its_new_blocks(monkeypatch
 def test_cached_pages_are_evicted_oldest_first_and_reported():
     sched = make(num_blocks=6)
     evicted = []
-    sched.blocks.on_evict = lambda page, name, tokens: evicted.append(tokens[0])
+    sched.blocks.on_evict = lambda pages: evicted.extend(tokens[0] for _, _, tokens in pages)
     run_to_end(sched, seq(list(range(0, 33)), name="a"))  # 3 pages, 2 full and named
     run_to_end(sched, seq(list(range(100, 133)), name="b"))  # 3 more: the pool is full of cached pages
     assert sched.blocks.num_cached == 4 and sched.blocks.num_free == 6

@@ -35,8 +35,9 @@ class BlockManager:
         # retained ones (sessions) only when no other free page is left
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._retained: OrderedDict[int, None] = OrderedDict()
-        # called with (page, name, packed tokens) just before a cached page is overwritten (spill to a lower tier)
-        self.on_evict: Callable[[int, bytes, bytes], None] | None = None
+        # called with [(page, name, packed tokens)], once per ``grow``, for the cached pages it takes, before
+        # they are overwritten (spilled to a lower tier): a turn restoring a 27k-token history takes ~1,700
+        self.on_evict: Callable[[list[tuple[int, bytes, bytes]]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -63,18 +64,20 @@ class BlockManager:
         need = self.blocks_needed(block_table, num_tokens)
         if need > self.num_free:
             raise MemoryError(f"KV cache: {need} pages needed, {self.num_free} free")
-        block_table.extend(self._take() for _ in range(need))
-
-    def _take(self) -> int:
-        page, _ = (self._free if self._free else self._retained).popitem(last=False)
-        name = self._name[page]
-        if name is not None:
-            if self.on_evict is not None:
-                self.on_evict(page, name, self._packed[page])
-            del self._by_name[name]
-            self._name[page] = self._packed[page] = None
-        self.ref[page] = 1
-        return page
+        free, retained, ref = self._free, self._retained, self.ref
+        taken = [(free if free else retained).popitem(last=False)[0] for _ in range(need)]
+        page_name, page_packed = self._name, self._packed
+        evicted = [(page, page_name[page], page_packed[page]) for page in taken if page_name[page] is not None]
+        if evicted:
+            if self.on_evict is not None:  # (their names still registered while it runs)
+                self.on_evict(evicted)
+            by_name = self._by_name
+            for page, name, _ in evicted:
+                del by_name[name]
+                page_name[page] = page_packed[page] = None
+        for page in taken:
+            ref[page] = 1
+        block_table.extend(taken)
 
     def release(self, block_table: list[int], retain: bool = False) -> None:
         """Drop a sequence's hold on its pages. Its last pages become the oldest free ones:
