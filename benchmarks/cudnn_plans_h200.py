@@ -7,9 +7,9 @@ plan cuDNN's heuristics rank first. At 26,900 tokens that plan is ~494 of the ~7
 Qwen3-30B-A3B prompt (``ttft_profile_h200.py``), ~576 TFLOP/s. This script builds the same operation
 with cudnn-frontend (needs ``nvidia-cudnn-frontend``, which the GPU machine lacks: bring its wheel),
 asks for the plans of heuristics modes A, B and FALLBACK, and for each plan that builds: checks its
-output against torch's, then times it (CUDA events, median of ``--reps``). Layout as the engine calls
-it: q ``[1, H, T, 128]`` as a view of ``[T, H, 128]``, k and v ``[1, Hkv, T, 128]`` contiguous.
-Writes ``cudnn-plans-h200-<date>.json``.
+output against torch's, then times it (``moe_h200.time_layer``: CUDA events, median of ``--reps``).
+Layout as the engine calls it: q ``[1, H, T, 128]`` as a view of ``[T, H, 128]``, k and v
+``[1, Hkv, T, 128]`` contiguous. Writes ``cudnn-plans-h200-<date>.json``.
 """
 from __future__ import annotations
 
@@ -23,20 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-
-def events_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+from moe_h200 import time_layer  # beside this script
 
 
 def plans_for(T: int, H: int, Hkv: int, D: int, reps: int) -> dict:
@@ -56,7 +43,7 @@ def plans_for(T: int, H: int, Hkv: int, D: int, reps: int) -> dict:
 
     ref = torch_sdpa()
     result = {"T": T, "H": H, "Hkv": Hkv, "D": D}
-    ms = events_ms(torch_sdpa, reps)
+    ms = time_layer(torch_sdpa, dev, reps)
     result["torch"] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
     print(f"T={T} torch sdpa (cuDNN): {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
 
@@ -90,7 +77,7 @@ def plans_for(T: int, H: int, Hkv: int, D: int, reps: int) -> dict:
             run()
             torch.cuda.synchronize()
             row["max_abs_diff"] = float((out.float() - ref.float()).abs().max())
-            ms = events_ms(run, reps)
+            ms = time_layer(run, dev, reps)
             row.update(ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1))
         except Exception as e:
             row["error"] = (str(e) or traceback.format_exc())[:300]

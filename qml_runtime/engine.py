@@ -483,13 +483,14 @@ class Engine:
         # KV against; a step with decode rows is not one (their time is not a prefill's)
         chunks = ([(s.num_computed, n) for s, n in zip(batch.seqs, batch.num_tokens)]
                   if self.tiers is not None else [])
-        pure_prefill = sum(n for _, n in chunks) >= 64 and all(n > 1 for _, n in chunks)
+        new_tokens = sum(n for _, n in chunks)
+        pure_prefill = new_tokens >= 64 and all(n > 1 for _, n in chunks)
         seconds = sum(self.tiers.planner.prefill_seconds(start, n) for start, n in chunks) if pure_prefill else 0.0
         # kept pages go down beside a long prefill (a burst of prompts never idles the loop, and a turn
         # arriving after it would otherwise evict pages whose copies still wait: 3.5 GB to gather and copy
         # beside its restore, ~100 ms more on the H200)
         pump_pages = (self.tiers.pages_beside(seconds) if pure_prefill and self.tiers.deferred
-                      and sum(n for _, n in chunks) >= self.pump_beside_min_tokens
+                      and new_tokens >= self.pump_beside_min_tokens
                       and self.tiers.pump_beside and self._pool_tight() else 0)
         # finished requests' pages go to the tiers while the device runs the prefill, not after it, where
         # the next request (sent as soon as its client had this step's token) waited for them
