@@ -10,7 +10,9 @@ The host-RAM turn of the sessions bench copies ~1,708 pages of 2 MiB (3.58 GB) u
 - page_copy per layer (32 launches) with 32, 64 and 128 programs (scattered destination pages);
 - ``cudaMemcpy2DAsync`` per (layer, K/V) chunk: 64 copies of ``n`` rows of 32 KiB, which needs the
   destination pages to be consecutive (the pool would have to hand out a run of pages);
-- ``cudaMemcpyBatchAsync`` per layer (3,416 copies of 32 KiB each, scattered pages), through ctypes;
+- ``cudaMemcpyBatchAsync`` per layer (3,416 copies of 32 KiB each, scattered pages), through ctypes (refused
+  here: it was called on the legacy default stream, which the batch API does not take;
+  ``kv_upload_ce_h200.py`` calls it on a side stream);
 - one flat copy of the same bytes (the ceiling).
 
     python benchmarks/kv_upload_dma_h200.py     # writes $OUT/dma.json (or ./dma.json)

@@ -259,17 +259,27 @@ class CallTimers:
     (instance attributes, so other engines are untouched). ``mark()`` before a request, ``delta()``
     after: per method the ms spent, the calls, and when the first call began (ms after the mark),
     counting only calls made on ``thread_id`` (the disk writer's threads call some of them too).
-    Nested methods count in both (``_persist`` holds ``persist``)."""
+    Nested methods count in both (``_persist`` holds ``persist``). ``span_list()``: the calls of
+    ``SPAN_MIN_MS`` or more one by one, in order, around the mark (what the engine thread did between a
+    turn's arrival and its step)."""
 
     METHODS = {
         "engine": ("_persist", "_pump", "_drain_inbox", "_note_first_scheduled", "_take_tokens"),
-        "scheduler": ("schedule",),
+        "scheduler": ("schedule", "_admit", "_restorable", "_cached_prefix"),
+        "blocks": ("grow", "acquire", "register_run", "lookup_run"),
         "tiers": ("persist", "_write_through", "_gather", "flush_spills", "_gather_spills", "_copy_down",
-                  "restore_host", "_upload", "_upload_layers", "_reserve_host", "spill", "pump", "plan",
-                  "locate_run", "_settle_slot", "_queue_disk_write"),
-        "host": ("reserve", "find_run", "touch"),
+                  "restore_host", "_upload", "_upload_layers", "pump", "plan", "locate_run", "_settle_slot",
+                  "_fill_first", "hold_writes"),
+        # (not the methods called once per page, as host.touch and host.reserve: ~1-2 us of timing each, ~2,500
+        # calls in a host turn's evictions, made the spans of their callers several ms longer than untimed)
+        "host": ("find_run",),
+        "writes": ("hand_over",),
+        "writer": ("detach", "put_pages", "hold"),
         "runner": ("step", "launch"),
     }
+    # calls of at least this long are also kept one by one (``spans``), from SPAN_FROM_MS before the mark
+    # to SPAN_TO_MS after it: what the engine thread did, in order, between a turn's arrival and its step
+    SPAN_MIN_MS, SPAN_FROM_MS, SPAN_TO_MS = 0.1, -30.0, 40.0
 
     def __init__(self, engine, thread_id: int):
         import functools
@@ -277,8 +287,13 @@ class CallTimers:
         import time
 
         self.thread_id, self.stats, self.t0 = thread_id, {}, time.perf_counter()
-        objects = {"engine": engine, "scheduler": engine.scheduler, "tiers": engine.tiers,
-                   "host": getattr(engine.tiers, "host", None), "runner": engine.runner}
+        self.spans: list[tuple[float, float, str]] = []  # (start, seconds, method), start absolute
+        tiers = engine.tiers
+        objects = {"engine": engine, "scheduler": engine.scheduler, "blocks": engine.scheduler.blocks,
+                   "tiers": tiers, "host": getattr(tiers, "host", None),
+                   "writes": getattr(tiers, "_host_writes", None), "writer": getattr(tiers, "_writer", None),
+                   "runner": engine.runner}
+        span_min = self.SPAN_MIN_MS / 1e3
         for kind, names in self.METHODS.items():
             obj = objects[kind]
             for name in names:
@@ -294,18 +309,30 @@ class CallTimers:
                     try:
                         return _fn(*a, **kw)
                     finally:
+                        took = time.perf_counter() - start
                         rec = self.stats.setdefault(_key, [0.0, 0, None])
-                        rec[0] += time.perf_counter() - start
+                        rec[0] += took
                         rec[1] += 1
                         if rec[2] is None:
                             rec[2] = start - self.t0
+                        if took >= span_min:
+                            self.spans.append((start, took, _key))
 
                 setattr(obj, name, functools.wraps(fn)(timed))
 
     def mark(self) -> None:
         import time
 
-        self.stats, self.t0 = {}, time.perf_counter()
+        self.t0 = time.perf_counter()
+        self.stats = {}
+        # the calls still open at the mark are kept when they end; those ended long before are dropped
+        self.spans = [sp for sp in self.spans if sp[0] - self.t0 >= self.SPAN_FROM_MS / 1e3]
+
+    def span_list(self) -> list:
+        """[start ms after mark(), ms, method] of the calls of SPAN_MIN_MS or more, from SPAN_FROM_MS before
+        the mark to SPAN_TO_MS after it, in order of their start (a nested call follows its caller)."""
+        rows = sorted(sp for sp in self.spans if self.SPAN_FROM_MS <= (sp[0] - self.t0) * 1e3 <= self.SPAN_TO_MS)
+        return [[round((t - self.t0) * 1e3, 2), round(d * 1e3, 2), k] for t, d, k in rows]
 
     def delta(self, min_ms: float = 0.05) -> dict:
         """{method: [ms, calls, first call's start in ms after mark()]}, the longest first."""

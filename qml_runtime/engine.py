@@ -64,8 +64,15 @@ PERSIST_CHUNK = 256
 # next turn of a conversation, sent as soon as its client had the last token, spent waiting. At 64 the turn
 # right after a fresh 27k-token prompt still found a chunk in hand (its schedule began 2-4 ms after it
 # arrived, H200 in-process --call-timers, 2026-12-03): a page costs ~40 us there (a host slot evicted, its
-# bytes copied for the disk writer), so 16
-PERSIST_IDLE_CHUNK = 16
+# bytes copied for the disk writer), so 16. At 16 the chunk in hand at a turn's arrival still took 0.7-2.1 ms
+# when its pages evicted host entries not yet on disk (H200 in-process, --call-timers spans, 2026-12-04), so 4
+PERSIST_IDLE_CHUNK = 4
+# a request on its way (its body parsed, its prompt rendered and tokenized on the server's threads, or being
+# built in ``submit``) holds the idle loop's background work (handing pages to the tiers, pumping them down)
+# for up to this long: that work is Python on the engine thread, and it shared the GIL with the request being
+# prepared (H200 in-process, --call-timers spans: persist chunks went on 1.2-2.4 ms after a turn's submit
+# began, before it reached the inbox). ``expect_request`` starts the hold, ``submit`` ends it.
+EXPECT_HOLD_S = 0.05
 # after a step, the pages of requests that ended before it go on for this share of the step's time (at
 # least one chunk): under back-to-back long prompts the loop is never idle, and with one chunk a step
 # the pages left waiting were evicted by later prompts before they went down, as spills (gathered
@@ -155,6 +162,9 @@ class Engine:
         self._info = dict(info or {})
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
+        # until when (time.monotonic) a request is expected (``expect_request``): the idle loop holds its
+        # background work meanwhile
+        self._expected_until = 0.0
         self._emitters: dict[str, Emit] = {}
         self._seqs: dict[str, Sequence] = {}
         self._followers: dict[str, list[Sequence]] = {}  # leader's request id -> requests parked behind it
@@ -313,10 +323,24 @@ class Engine:
         one has sampled its first token, so it finds the prompt's pages in the prefix cache.
         """
         request_id = request_id or uuid.uuid4().hex
-        seq = self._new_sequence(list(prompt_ids), params, request_id, tenant, session)
-        self._inbox.put(_Add(seq, emit, follow))
+        self.expect_request()
+        try:
+            seq = self._new_sequence(list(prompt_ids), params, request_id, tenant, session)
+            self._inbox.put(_Add(seq, emit, follow))
+        finally:
+            self._expected_until = 0.0  # in the inbox (or refused): nothing more to wait for
         self._wakeup.set()
         return request_id
+
+    def expect_request(self, seconds: float = EXPECT_HOLD_S) -> None:
+        """A request is being prepared for ``submit`` (its body parsed, its prompt rendered and tokenized):
+        while idle, the loop holds its background work (pages handed to the tiers, pumped down) until it
+        arrives, for at most ``seconds``, so that the two do not share the host (and the GIL) meanwhile."""
+        self._expected_until = max(self._expected_until, time.monotonic() + seconds)
+
+    def _expecting(self) -> float:
+        """Seconds left of a hold started by ``expect_request`` (0: none)."""
+        return max(0.0, self._expected_until - time.monotonic())
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -426,10 +450,16 @@ class Engine:
             # device's. Anything new (a request, an abort) first waits for the step in flight.
             following = None if drained else self._launch_following(inflight)
             self._complete(inflight)
-            self._persist()  # (one chunk: the step after it is on the device already)
+            # one chunk, a large one while the step after it is on the device already (none when a request came in)
+            self._persist(chunk=PERSIST_CHUNK if following is not None else None)
             self._pump()
             return following
         if not self.scheduler.has_work():
+            wait = self._expecting()
+            if wait:  # a request is on its way: the host is its until it is in the inbox
+                self._wakeup.wait(wait)
+                self._wakeup.clear()
+                return None
             if self._to_persist:  # (unless a request came in meanwhile: then it goes first)
                 self._persist(everything=True)
                 return None
@@ -530,25 +560,31 @@ class Engine:
         return None
 
     def _persist(self, everything: bool = False, budget_s: float = 0.0, yield_to_inbox: bool = True,
-                 during_step: bool = False) -> None:
-        """Hand finished requests' named pages to the tiers (``KVTiers.persist``), ``PERSIST_CHUNK`` at a
-        time (``PERSIST_IDLE_CHUNK`` while idle). While idle (``everything``): until none is left,
-        stopping as soon as a new request or an abort is in the inbox (it goes first). After a step: one
-        chunk, and more of the requests that ended before that step while ``budget_s`` lasts (those that
-        ended in it wait for the loop to be idle, or for the next step: a turn sent as soon as its
-        client had the last token is not held up by them). ``during_step``: called while a step runs (``runner.step``'s
-        ``while_running``), so the requests that ended before it may all go. A page taken for
-        another block since its request ended is skipped: when it was evicted the tiers got its copy
-        (``KVTiers.spill``), and its K/V now belong to another block."""
+                 during_step: bool = False, chunk: int | None = None) -> None:
+        """Hand finished requests' named pages to the tiers (``KVTiers.persist``), ``chunk`` at a time
+        (default: ``PERSIST_CHUNK`` beside a step and at shutdown, else ``PERSIST_IDLE_CHUNK``). While idle (``everything``): until none is left,
+        stopping as soon as a new request or an abort is in the inbox (it goes first). After a step: the
+        requests that ended before that step, one chunk and more while ``budget_s`` lasts, unless a request
+        waits in the inbox; those that ended in it wait for the loop to be idle (small chunks, the inbox
+        checked between them) or for the next step. A turn is sent as soon as its client has the last
+        token of the one before: a chunk of that request's pages begun right after its step held the
+        turn for that chunk (see ``PERSIST_IDLE_CHUNK``). ``during_step``: called while a step runs
+        (``runner.step``'s ``while_running``), so the requests that ended before it may all go. A page
+        taken for another block since its request ended is skipped: when it was evicted the tiers got
+        its copy (``KVTiers.spill``), and its K/V now belong to another block."""
         named, t0, chunks = self.blocks.named, time.perf_counter(), 0
         step = self.loop_steps + during_step  # the step that ends next: requests that end in it wait
-        size = PERSIST_IDLE_CHUNK if everything and yield_to_inbox else PERSIST_CHUNK
+        # large chunks only where nothing can wait on them: beside a step (its tokens come after it anyway) and
+        # at shutdown; after a step and while idle a request may arrive mid-chunk (H200, --call-timers spans: a
+        # 256-page chunk begun after a step held the next turn ~1.8 ms)
+        size = chunk or (PERSIST_CHUNK if during_step or not yield_to_inbox else PERSIST_IDLE_CHUNK)
         while self._to_persist:
             entry = self._to_persist[0]
             if everything:
-                if yield_to_inbox and not self._stopping and not self._inbox.empty():
+                if yield_to_inbox and not self._stopping and (not self._inbox.empty() or self._expecting()):
                     return
-            elif chunks and (entry[3] == step or time.perf_counter() - t0 >= budget_s):
+            elif entry[3] == step or (not during_step and not self._inbox.empty()) \
+                    or (chunks and time.perf_counter() - t0 >= budget_s):
                 return
             chunks += 1
             table, names, start, _ = entry

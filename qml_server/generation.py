@@ -149,6 +149,15 @@ async def _anext(source: AsyncIterator[RequestOutput]) -> RequestOutput | None:
         return None
 
 
+def announce_request(request: Request) -> None:
+    """A generation request has reached its handler: an idle engine holds its background work (KV pages handed
+    to the tiers and copied down) until the request is submitted, as parsing, rendering and tokenizing a long
+    conversation share the host with it (``Engine.expect_request``; engines without it are left alone)."""
+    expect = getattr(request.app.state.engine, "expect_request", None)
+    if expect is not None:
+        expect()
+
+
 def request_tenant(request: Request, cache_salt: str | None = None) -> str | None:
     """Whose KV (and kept replies) a request may reuse: the authenticated key's tenant, narrowed by the
     request's own cache_salt (within its tenant, never across). None: the one tenant of a keyless server."""

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from qml_server.errors import api_endpoint
 from qml_server.fields import read_json_object
 from qml_server.generation import (
+    announce_request,
     collect,
     first_outputs,
     log_request,
@@ -29,6 +30,7 @@ from qml_server.sse import EventStreamResponse
 @api_endpoint
 async def completions(request: Request) -> Response:
     started = time.monotonic()
+    announce_request(request)
     engine = request.app.state.engine
     req = parse_completion_request(await read_json_object(request))
     check_model(req.model, engine.model_id)

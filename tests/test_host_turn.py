@@ -216,3 +216,45 @@ def test_a_history_evicted_to_host_ram_comes_back_for_its_tenant_only_and_up_to_
             page = sched.blocks._by_name[name]
             assert sched.blocks.named(page) == (name, pack(history[i * S:(i + 1) * S]))
             assert torch.equal(kv.gather_pages(torch.tensor([page]))[0], kept[name])
+
+
+def test_restore_takes_the_slots_located_just_before_unless_an_entry_left():
+    """``restore_host`` takes the host slots ``locate_run`` found for the same blocks (no second lookup) while
+    no host entry has left since; after a removal, or with other tokens under the same names, it looks again."""
+    from qml_runtime.kv.cache import KVCache
+    from qml_runtime.kv.host_tier import HostTier
+    from qml_runtime.kv.tiers import KVTiers
+    from qml_runtime.presets import PRESETS
+
+    kv = KVCache(PRESETS["tiny-llama"].config, 4, S, "cpu", torch.float32)
+    tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=False), None)
+    names = [b"a" * 32, b"b" * 32, b"c" * 32]
+    packed = b"".join(pack([i] * S) for i in range(3))
+    for i, name in enumerate(names):
+        slot, _ = tiers.host.reserve(name, packed[i * S * 4:(i + 1) * S * 4])
+        tiers.host.slots[slot] = torch.randint(0, 256, (kv.block_bytes,), dtype=torch.uint8)
+    lookups = []
+    find_run = tiers.host.find_run
+    tiers.host.find_run = lambda *a: (lookups.append(a), find_run(*a))[1]
+
+    def page_bytes(page: int) -> torch.Tensor:
+        out = torch.empty(kv.block_bytes, dtype=torch.uint8)
+        kv.read_page(page, out)
+        return out
+
+    def slot_of(name: bytes) -> int:
+        return tiers.host._lru[name][0]
+
+    assert tiers.locate_run(names, packed) == ["host"] * 3 and len(lookups) == 1
+    assert tiers.restore_host(names, packed, [3, 1, 2]) == 3 and len(lookups) == 1  # the located slots, as they are
+    assert all(torch.equal(page_bytes(p), tiers.host.slots[slot_of(n)]) for p, n in zip([3, 1, 2], names))
+
+    tiers.locate_run(names, packed)
+    tiers.host.discard(names[1])  # an entry left: the run is looked up again, and ends before it
+    assert tiers.restore_host(names, packed, [0, 1, 2]) == 1 and len(lookups) == 3
+    assert torch.equal(page_bytes(0), tiers.host.slots[slot_of(names[0])])
+
+    tiers.locate_run(names[:1], packed[:S * 4])
+    other = pack([7] * S)  # the same name with other tokens (a collision): looked up again, a miss
+    assert tiers.restore_host(names[:1], other, [1]) == 0 and len(lookups) == 5
+    assert tiers.restore_host(names[:1], packed[:S * 4], [1]) == 1 and len(lookups) == 6  # located once only

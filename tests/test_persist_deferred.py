@@ -35,6 +35,7 @@ def _prompt(eng: Engine, text: str) -> list[int]:
 
 def test_a_request_that_arrives_meanwhile_goes_before_the_last_ones_pages(engine, monkeypatch):
     monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(engine_module, "PERSIST_IDLE_CHUNK", 1)  # (after a step, too)
     monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)  # one chunk after a step
     eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
     persisted = []
@@ -45,21 +46,22 @@ def test_a_request_that_arrives_meanwhile_goes_before_the_last_ones_pages(engine
         eng.submit(_prompt(eng, "Count with me: " + " ".join(str(i) for i in range(20))), ONE, a_out.append)
         _drive(eng, a_out, lambda: a_out and a_out[-1].finished)
         left = sum(len(t) - i for t, _, i, _ in eng._to_persist)
-        assert left >= 3 and len(persisted) <= 1  # a chunk at most after its step, the rest waits
+        full = sum(eng.blocks.named(p) is not None for t, _, _, _ in eng._to_persist for p in t)
+        # nothing of A after its own step: its client's next turn may be on its way already
+        assert left >= 3 and full >= 3 and persisted == []
         eng.submit(_prompt(eng, "Hello"), ONE, b_out.append)  # arrives before the loop is idle
-        eng._iterate(None)  # takes B and runs its step before anything more of A
+        eng._iterate(None)  # takes B and runs its step before anything of A (one chunk after it)
         assert b_out and b_out[-1].finished
         assert sum(len(t) - i for t, _, i, _ in eng._to_persist) >= left - 1
         _drive(eng, b_out, lambda: not eng._to_persist)
-        assert eng.tiers.stats.kept_host >= left  # A's pages (and B's) reached the host tier after all
+        assert eng.tiers.stats.kept_host >= full  # A's full pages (and B's) reached the host tier after all
     finally:
         eng.shutdown()
 
 
 def test_while_idle_a_new_request_waits_for_one_small_chunk(engine, monkeypatch):
-    """Idle, the loop hands pages over ``PERSIST_IDLE_CHUNK`` at a time (smaller than after a step) and
+    """Idle, the loop hands pages over ``PERSIST_IDLE_CHUNK`` at a time (beside a step, ``PERSIST_CHUNK``) and
     checks the inbox between chunks: a turn that arrives meanwhile waits for the chunk in hand only."""
-    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)  # after a step: one page
     monkeypatch.setattr(engine_module, "PERSIST_IDLE_CHUNK", 2)
     monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)
     eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
@@ -94,7 +96,7 @@ def test_while_idle_a_new_request_waits_for_one_small_chunk(engine, monkeypatch)
 def test_a_queue_of_prompts_does_not_starve_the_pages_of_those_before(engine, monkeypatch):
     """Back to back, the loop is never idle: after each step the pages of the requests that ended
     before it go down for a share of that step's time, so a later prompt does not evict them first.
-    Those of the request that ended in the step itself wait (one chunk) for the next."""
+    Those of the request that ended in the step itself wait for the next."""
     monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
     monkeypatch.setattr(engine_module, "PERSIST_SHARE", 1e3)  # the whole backlog after a step
     # one prompt a step
@@ -106,7 +108,7 @@ def test_a_queue_of_prompts_does_not_starve_the_pages_of_those_before(engine, mo
         _drive(eng, outs[0], lambda: outs[0] and outs[0][-1].finished)
         assert not outs[1]
         (first, _, done, _), = eng._to_persist
-        assert done == 1 < len(first)  # one chunk after its own step
+        assert done == 0 < len(first)  # none after its own step
         _drive(eng, outs[1], lambda: outs[1] and outs[1][-1].finished)
         assert not outs[2]
         # the first's went after the second's step, in full; the second's waits for the next
@@ -249,5 +251,60 @@ def test_a_failure_handing_pages_over_beside_a_step_does_not_fail_its_requests(e
                    b_out.append)
         eng._iterate(None)  # B's prefill; A's pages fail to go down beside it
         assert b_out and b_out[-1].finished and b_out[-1].finish_reason == "length"
+    finally:
+        eng.shutdown()
+
+
+def test_an_expected_request_holds_the_idle_loops_background_work(engine, monkeypatch):
+    """While a request is on its way (``expect_request``: the server is parsing and tokenizing it), the idle loop
+    hands no pages to the tiers; ``submit`` ends the hold, and the request runs before the pages go."""
+    monkeypatch.setattr(engine_module, "PERSIST_IDLE_CHUNK", 1)
+    eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
+    calls, b_out = [], []
+    persist = eng.tiers.persist
+    # (pages handed over, whether B had its token by then)
+    eng.tiers.persist = lambda pages: (calls.append((len(pages), bool(b_out))), persist(pages))[1]
+    try:
+        a_out = []
+        eng.submit(_prompt(eng, "Count with me: " + " ".join(str(i) for i in range(30))), ONE, a_out.append)
+        _drive(eng, a_out, lambda: a_out and a_out[-1].finished)
+        calls.clear()
+        assert eng._to_persist
+        eng.expect_request(60.0)
+        eng._wakeup.set()  # (the wait for the request returns at once here)
+        eng._iterate(None)
+        assert calls == [] and eng._expecting() > 0
+        eng._persist(everything=True)  # the idle hand-over stops before its first chunk too
+        assert calls == []
+        eng.submit(_prompt(eng, "Hello"), ONE, b_out.append)
+        assert eng._expecting() == 0
+        eng._iterate(None)  # B first
+        assert b_out and b_out[-1].finished
+        _drive(eng, b_out, lambda: not eng._to_persist)
+        assert calls and all(b_had_its_token for _, b_had_its_token in calls)  # then A's pages
+    finally:
+        eng.shutdown()
+
+
+def test_after_a_step_a_waiting_request_goes_before_earlier_pages(engine, monkeypatch):
+    """After a step, the pages of requests that ended before it go down only while nobody waits in the inbox."""
+    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
+    eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
+    calls = []
+    persist = eng.tiers.persist
+    eng.tiers.persist = lambda pages: (calls.append(len(pages)), persist(pages))[1]
+    try:
+        a_out, b_out = [], []
+        eng.submit(_prompt(eng, "Count with me: " + " ".join(str(i) for i in range(20))), ONE, a_out.append)
+        _drive(eng, a_out, lambda: a_out and a_out[-1].finished)
+        eng.loop_steps += 1  # A ended in an earlier step than the one that just ran
+        calls.clear()
+        eng.submit(_prompt(eng, "Hello"), ONE, b_out.append)
+        eng._persist(budget_s=60.0)  # as after a step, with B in the inbox
+        assert calls == []
+        eng._iterate(None)
+        assert b_out and b_out[-1].finished
+        eng._persist(budget_s=60.0)  # nobody waits: A's pages go
+        assert sum(calls) > 0
     finally:
         eng.shutdown()

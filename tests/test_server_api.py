@@ -646,3 +646,34 @@ def test_session_id_and_user_reach_the_engine(client, fake):
     client.post(CHAT, json={"messages": HELLO, "max_tokens": 2, "user": "alice"})
     client.post(CHAT, json={"messages": HELLO, "max_tokens": 2})
     assert [c.session for c in fake.calls] == ["conv-42", "alice", None]
+
+
+class _ExpectingEngine(FakeEngine):
+    """Records when the server announces a request (``expect_request``) against when it generates."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.events: list[str] = []
+
+    def expect_request(self) -> None:
+        self.events.append("expect")
+
+    async def generate(self, prompt_ids, params, request_id, *args, **kw):
+        self.events.append("generate")
+        async for out in super().generate(prompt_ids, params, request_id, *args, **kw):
+            yield out
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_a_generation_request_is_announced_to_the_engine_before_its_prompt_is_prepared(path, body):
+    fake = _ExpectingEngine()
+    with TestClient(create_app(fake)) as c:
+        r = c.post(path, json={"model": fake.model_id, "max_tokens": 2, **body})
+        assert r.status_code == 200, r.text
+        assert fake.events == ["expect", "generate"]
+        # a request refused before it reaches the engine is announced too (the hold then simply expires)
+        assert c.post(path, json={"model": "no-such-model", **body}).status_code == 404
+        assert fake.events == ["expect", "generate", "expect"]

@@ -31,6 +31,8 @@ class HostTier:
         # copy as one
         self._free = list(range(self.capacity - 1, -1, -1))
         self._held: set[int] = set()  # slots being filled from disk: never evicted until released
+        # counts the entries that left (evicted, discarded): slots found before are still theirs while it stands
+        self.removals = 0
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -89,6 +91,7 @@ class HostTier:
             if victim is None:
                 return None, []  # every slot is held by a load in flight
             slot, old_tokens = self._lru.pop(victim)
+            self.removals += 1
             evicted.append((victim, old_tokens, slot))
             self._free.append(slot)
         slot = self._free.pop()
@@ -105,6 +108,7 @@ class HostTier:
         """Forget ``name`` (its slot's bytes are not what the name says: a failed read)."""
         entry = self._lru.pop(name, None)
         if entry is not None:
+            self.removals += 1
             self._held.discard(entry[0])
             self._free.append(entry[0])
 
