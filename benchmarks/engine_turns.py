@@ -123,7 +123,8 @@ def section_hostturn(args, device) -> None:
         st = engine.tiers.stats
         calls = timers.delta() if timers is not None else None
         spans = timers.span_list() if timers is not None else None
-        turns.append({"ttft_ms": round(t, 2), "restored_pages": st.restored_host - restored, "calls": calls, "spans": spans,
+        turns.append({"ttft_ms": round(t, 2), "restored_pages": st.restored_host - restored, "calls": calls,
+                      "spans": spans,
                       "spilled_host": st.spilled_host, "kept_host": st.kept_host,
                       "steps": now["steps"] - was["steps"], "loop_ms": split, "backlog": backlog,
                       "written_disk": st.written_disk, "persist_skipped": st.persist_skipped,
@@ -218,7 +219,8 @@ def section_afterfresh(args, device) -> None:
             print(text[:7000], flush=True)
         calls = timers.delta() if timers is not None else None
         spans = timers.span_list() if timers is not None else None
-        turns.append({"ttft_ms": round(t, 2), "fresh_ms": round(fresh, 1), "backlog": backlog, "calls": calls, "spans": spans,
+        turns.append({"ttft_ms": round(t, 2), "fresh_ms": round(fresh, 1), "backlog": backlog, "calls": calls,
+                      "spans": spans,
                       "loop_ms": {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post")}})
         print("after fresh:", turns[-1], flush=True)
     record("afterfresh", disk=bool(disk), turns=turns)

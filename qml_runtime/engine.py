@@ -450,7 +450,8 @@ class Engine:
             # device's. Anything new (a request, an abort) first waits for the step in flight.
             following = None if drained else self._launch_following(inflight)
             self._complete(inflight)
-            # one chunk, a large one while the step after it is on the device already (none when a request came in)
+            # one chunk: a large one while the step after it is on the device already, else a small one (a request
+            # that came in waits for it)
             self._persist(chunk=PERSIST_CHUNK if following is not None else None)
             self._pump()
             return following
@@ -562,8 +563,9 @@ class Engine:
     def _persist(self, everything: bool = False, budget_s: float = 0.0, yield_to_inbox: bool = True,
                  during_step: bool = False, chunk: int | None = None) -> None:
         """Hand finished requests' named pages to the tiers (``KVTiers.persist``), ``chunk`` at a time
-        (default: ``PERSIST_CHUNK`` beside a step and at shutdown, else ``PERSIST_IDLE_CHUNK``). While idle (``everything``): until none is left,
-        stopping as soon as a new request or an abort is in the inbox (it goes first). After a step: the
+        (default: ``PERSIST_CHUNK`` beside a step and at shutdown, else ``PERSIST_IDLE_CHUNK``). While idle
+        (``everything``): until none is left, stopping as soon as a new request or an abort is in the inbox
+        (it goes first), or while one is on its way (``expect_request``). After a step: the
         requests that ended before that step, one chunk and more while ``budget_s`` lasts, unless a request
         waits in the inbox; those that ended in it wait for the loop to be idle (small chunks, the inbox
         checked between them) or for the next step. A turn is sent as soon as its client has the last
