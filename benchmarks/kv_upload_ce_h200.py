@@ -27,11 +27,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from kv_upload_dma_h200 import _Attr, _cudart, _Loc
+from kv_upload_dma_h200 import C, N, P, W, _Attr, _batch_addresses, _cudart, _host_rows_and_pool, _Loc, n
 
 from qml_kernels.page_copy import PageCopyConfig, page_copy
 
-C, W, P, N, n = 64, 16384, 2048, 1800, 1708  # chunks (32 layers x K/V), elements a chunk, pool pages, rows, pages
 LAYERS = C // 2
 
 
@@ -41,10 +40,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     dev = torch.device("cuda")
-    host = torch.empty((N, C, W), dtype=torch.bfloat16, pin_memory=True)
-    for i in range(0, N, 100):
-        host[i:i + 100].copy_(torch.randn((min(100, N - i), C, W), device=dev, dtype=torch.bfloat16))
-    pool = torch.zeros((C, P, W), dtype=torch.bfloat16, device=dev)
+    host, pool = _host_rows_and_pool(dev)
     pages = torch.randperm(P, generator=torch.Generator().manual_seed(0))[:n]
     slots = torch.randperm(N, generator=torch.Generator().manual_seed(1))[:n]
     nbytes = n * C * W * 2
@@ -79,13 +75,7 @@ def main() -> None:
         page_copy(pool, pd, host, sd, 2 * layer, 2 * layer + 2, config=config)
 
     # the batch API's per-layer arrays: dst/src addresses of the 2 x n runs of one layer
-    pg, sl = pages.numpy().astype(np.uint64), slots.numpy().astype(np.uint64)
-    per_layer = []
-    for layer in range(LAYERS):
-        cs = np.array([2 * layer, 2 * layer + 1], dtype=np.uint64)
-        dst = (pool.data_ptr() + (cs[:, None] * P + pg[None, :]) * (W * 2)).ravel()
-        src = (host.data_ptr() + (sl[None, :] * C + cs[:, None]) * (W * 2)).ravel()
-        per_layer.append((np.ascontiguousarray(dst), np.ascontiguousarray(src)))
+    per_layer = _batch_addresses(pool, host, pages, slots)
     count = 2 * n
     sizes = np.full(count, W * 2, dtype=np.uint64)
     idx = (ctypes.c_size_t * 1)(0)

@@ -57,12 +57,31 @@ def _cudart():
     return ctypes.CDLL("libcudart.so"), "libcudart.so"
 
 
-def main() -> None:
-    dev = torch.device("cuda")
+def _host_rows_and_pool(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """N random pinned host rows ``[N, C, W]`` and an empty pool ``[C, P, W]`` (bf16)."""
     host = torch.empty((N, C, W), dtype=torch.bfloat16, pin_memory=True)
     for i in range(0, N, 100):
         host[i:i + 100].copy_(torch.randn((min(100, N - i), C, W), device=dev, dtype=torch.bfloat16))
-    pool = torch.zeros((C, P, W), dtype=torch.bfloat16, device=dev)
+    return host, torch.zeros((C, P, W), dtype=torch.bfloat16, device=dev)
+
+
+def _batch_addresses(pool: torch.Tensor, host: torch.Tensor, pages: torch.Tensor,
+                     slots: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer, the destination and source addresses of its 2 x n runs (K, V of row ``slots[i]`` into page
+    ``pages[i]``), for ``cudaMemcpyBatchAsync``."""
+    pg, sl = pages.numpy().astype(np.uint64), slots.numpy().astype(np.uint64)
+    per_layer = []
+    for layer in range(C // 2):
+        cs = np.array([2 * layer, 2 * layer + 1], dtype=np.uint64)
+        dst = (pool.data_ptr() + (cs[:, None] * P + pg[None, :]) * (W * 2)).ravel()
+        src = (host.data_ptr() + (sl[None, :] * C + cs[:, None]) * (W * 2)).ravel()
+        per_layer.append((np.ascontiguousarray(dst), np.ascontiguousarray(src)))
+    return per_layer
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    host, pool = _host_rows_and_pool(dev)
     pages_scat = torch.randperm(P, generator=torch.Generator().manual_seed(0))[:n]
     slots_cons = torch.arange(n)
     nbytes = n * C * W * 2
@@ -119,13 +138,7 @@ def main() -> None:
     res["one flat copy"] = timed(flat)
 
     # cudaMemcpyBatchAsync: per layer, 2 chunks x n copies of W*2 bytes, in stream order
-    pg, sl = pages_scat.numpy().astype(np.uint64), slots_cons.numpy().astype(np.uint64)
-    per_layer = []
-    for layer in range(32):
-        cs = np.array([2 * layer, 2 * layer + 1], dtype=np.uint64)
-        dst = (pool.data_ptr() + (cs[:, None] * P + pg[None, :]) * (W * 2)).ravel()
-        src = (host.data_ptr() + (sl[None, :] * C + cs[:, None]) * (W * 2)).ravel()
-        per_layer.append((np.ascontiguousarray(dst), np.ascontiguousarray(src)))
+    per_layer = _batch_addresses(pool, host, pages_scat, slots_cons)
     count = 2 * n
     sizes = np.full(count, W * 2, dtype=np.uint64)
     attr = _Attr(1, _Loc(2, 0), _Loc(1, 0), 0)  # stream order; source on the host, destination device 0

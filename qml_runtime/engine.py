@@ -36,6 +36,7 @@ from qml_runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from qml_runtime.constrained import GrammarError, Grammars
 from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
 from qml_runtime.detokenizer import IncrementalDetokenizer
+from qml_runtime.kept_pages import PUMP_BESIDE_MIN_TOKENS, KeptPages
 from qml_runtime.kv.block_manager import BlockManager
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.disk_store import ENCODABLE_SIZES, DiskStore
@@ -55,41 +56,6 @@ Emit = Callable[[RequestOutput | BaseException], None]
 # the token of a step launched behind another whose tokens are not yet known (never a real token id)
 PLACEHOLDER = -1
 PUMP_POLL_S = 0.001  # while idle with kept pages still to copy down: how often the next chunk is tried
-# a finished request's pages handed to the tiers this many at a time, between which a new request goes
-# first while idle (a 27k-token request's 1,700 pages took ~5-8 ms of the engine thread on the H200, and
-# the next request, sent as soon as the client had the last token, waited for all of it)
-PERSIST_CHUNK = 256
-# while idle the chunk is smaller: a request arriving meanwhile waits for the chunk in hand, and 256 pages
-# took ~2 ms of the H200 engine thread (in-process host turn, --call-timers: 8.4 ms in 4 calls), which the
-# next turn of a conversation, sent as soon as its client had the last token, spent waiting. At 64 the turn
-# right after a fresh 27k-token prompt still found a chunk in hand (its schedule began 2-4 ms after it
-# arrived, H200 in-process --call-timers, 2026-12-03): a page costs ~40 us there (a host slot evicted, its
-# bytes copied for the disk writer), so 16. At 16 the chunk in hand at a turn's arrival still took 0.7-2.1 ms
-# when its pages evicted host entries not yet on disk (H200 in-process, --call-timers spans, 2026-12-04), so 4
-PERSIST_IDLE_CHUNK = 4
-# a request on its way (its body parsed, its prompt rendered and tokenized on the server's threads, or being
-# built in ``submit``) holds the idle loop's background work (handing pages to the tiers, pumping them down)
-# for up to this long: that work is Python on the engine thread, and it shared the GIL with the request being
-# prepared (H200 in-process, --call-timers spans: persist chunks went on 1.2-2.4 ms after a turn's submit
-# began, before it reached the inbox). ``expect_request`` starts the hold, ``submit`` ends it.
-EXPECT_HOLD_S = 0.05
-# after a step, the pages of requests that ended before it go on for this share of the step's time (at
-# least one chunk): under back-to-back long prompts the loop is never idle, and with one chunk a step
-# the pages left waiting were evicted by later prompts before they went down, as spills (gathered
-# beside those prompts, then copied both ways at once beside a restore: the H200's first host turn
-# after a burst went 88 -> 152 ms)
-PERSIST_SHARE = 0.02
-# while a prefill of 64 tokens or more runs, the pages go down for up to this share of its expected time
-# (the host has nothing else to do until its tokens are ready; on the H200 the 2% after a 20k-token
-# prompt's step held the next request for ~13 ms, in-process --call-timers). Then none after the step.
-PERSIST_BESIDE_SHARE = 0.5
-# kept pages are pumped down beside a prefill of at least this many new tokens: a burst's prompts, not a
-# conversation's next turn, whose first token is the latency that counts (a long prefill hides the copies:
-# ~7 of an 8,890-token prompt's 173 ms on the H200). Sessions bench on the H200 (Llama-3.1-8B shapes,
-# results/sessions-h200-2026-12-04.md): the pump switched off entirely took the second user's GPU turn
-# 25.0 -> 22.3 ms but the host turn after a burst 97.5 -> 123.6; with this rule the host row stayed (91.3)
-# and the second user's turn too (24.7: its time goes elsewhere), so it costs nothing measured
-PUMP_BESIDE_MIN_TOKENS = 1024
 
 
 @dataclass
@@ -124,7 +90,7 @@ def _packed_ids(ids: list, vocab: int) -> bytes | None:
     return packed if not ids or int(np.frombuffer(packed, dtype=np.uint32).max()) < vocab else None
 
 
-class Engine:
+class Engine(KeptPages):  # (its hand-over of finished requests' pages to the tiers: qml_runtime.kept_pages)
     def __init__(self, model: torch.nn.Module, tokenizer, model_config: ModelConfig, *, model_id: str,
                  device: torch.device, dtype: torch.dtype, cache: CacheConfig, scheduler: SchedulerConfig,
                  context_length: int | None = None, info: dict | None = None, fingerprint: bytes = b"",
@@ -332,16 +298,6 @@ class Engine:
         self._wakeup.set()
         return request_id
 
-    def expect_request(self, seconds: float = EXPECT_HOLD_S) -> None:
-        """A request is being prepared for ``submit`` (its body parsed, its prompt rendered and tokenized):
-        while idle, the loop holds its background work (pages handed to the tiers, pumped down) until it
-        arrives, for at most ``seconds``, so that the two do not share the host (and the GIL) meanwhile."""
-        self._expected_until = max(self._expected_until, time.monotonic() + seconds)
-
-    def _expecting(self) -> float:
-        """Seconds left of a hold started by ``expect_request`` (0: none)."""
-        return max(0.0, self._expected_until - time.monotonic())
-
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
         self._wakeup.set()
@@ -452,7 +408,7 @@ class Engine:
             self._complete(inflight)
             # one chunk: a large one while the step after it is on the device already, else a small one (a request
             # that came in waits for it)
-            self._persist(chunk=PERSIST_CHUNK if following is not None else None)
+            self._persist(large=following is not None)
             self._pump()
             return following
         if not self.scheduler.has_work():
@@ -538,7 +494,7 @@ class Engine:
                     if pump_pages:
                         self.tiers.pump(pump_pages, beside_step=True, after=before_step)
                     if persist_beside:
-                        self._persist(budget_s=PERSIST_BESIDE_SHARE * seconds, during_step=True)
+                        self._persist_beside(seconds)
                 except Exception:  # the tiers' trouble is not the step's: its tokens stand
                     log.exception("handing finished requests' pages to the KV tiers failed")
         t0 = time.perf_counter()
@@ -556,80 +512,9 @@ class Engine:
             self.tiers.planner.observe_prefill(chunks, t1 - t0)
         self._take_tokens(batch, tokens, logprobs)
         if not persist_beside:  # (a step that returns has called beside_step)
-            self._persist(budget_s=PERSIST_SHARE * (t1 - t0))
+            self._persist_after(t1 - t0)
         self.loop_seconds["post"] += time.perf_counter() - t1
         return None
-
-    def _persist(self, everything: bool = False, budget_s: float = 0.0, yield_to_inbox: bool = True,
-                 during_step: bool = False, chunk: int | None = None) -> None:
-        """Hand finished requests' named pages to the tiers (``KVTiers.persist``), ``chunk`` at a time
-        (default: ``PERSIST_CHUNK`` beside a step and at shutdown, else ``PERSIST_IDLE_CHUNK``). While idle
-        (``everything``): until none is left, stopping as soon as a new request or an abort is in the inbox
-        (it goes first), or while one is on its way (``expect_request``). After a step: the
-        requests that ended before that step, one chunk and more while ``budget_s`` lasts, unless a request
-        waits in the inbox; those that ended in it wait for the loop to be idle (small chunks, the inbox
-        checked between them) or for the next step. A turn is sent as soon as its client has the last
-        token of the one before: a chunk of that request's pages begun right after its step held the
-        turn for that chunk (see ``PERSIST_IDLE_CHUNK``). ``during_step``: called while a step runs
-        (``runner.step``'s ``while_running``), so the requests that ended before it may all go. A page
-        taken for another block since its request ended is skipped: when it was evicted the tiers got
-        its copy (``KVTiers.spill``), and its K/V now belong to another block."""
-        named, t0, chunks = self.blocks.named, time.perf_counter(), 0
-        step = self.loop_steps + during_step  # the step that ends next: requests that end in it wait
-        # large chunks only where nothing can wait on them: beside a step (its tokens come after it anyway) and
-        # at shutdown; after a step and while idle a request may arrive mid-chunk (H200, --call-timers spans: a
-        # 256-page chunk begun after a step held the next turn ~1.8 ms)
-        size = chunk or (PERSIST_CHUNK if during_step or not yield_to_inbox else PERSIST_IDLE_CHUNK)
-        while self._to_persist:
-            entry = self._to_persist[0]
-            if everything:
-                if yield_to_inbox and not self._stopping and (not self._inbox.empty() or self._expecting()):
-                    return
-            elif entry[3] == step or (not during_step and not self._inbox.empty()) \
-                    or (chunks and time.perf_counter() - t0 >= budget_s):
-                return
-            chunks += 1
-            table, names, start, _ = entry
-            end = min(start + size, len(table))
-            pages = []
-            for i in range(start, end):
-                page = table[i]
-                got = named(page)
-                if got is not None and (i >= len(names) or got[0] == names[i]):
-                    pages.append((page, *got, names[i - 1] if 0 < i <= len(names) else None))
-            if end == len(table):
-                self._to_persist.popleft()
-            else:
-                entry[2] = end
-            if pages:
-                self.tiers.persist(pages)
-
-    def _queue_persist(self, table: list[int], names: list[bytes]) -> None:
-        """``table``'s pages (a finished request's, whose block names are ``names``) go to the tiers
-        after it (``_persist``)."""
-        self._to_persist.append([table, list(names), 0, self.loop_steps])
-
-    def _settle_tiers(self) -> None:
-        """Every queued page handed to the tiers, and their disk writes landed (``flush_kv``)."""
-        self._persist(everything=True, yield_to_inbox=False)
-        self.tiers.flush()
-
-    def _pump(self) -> bool:
-        """One more chunk of kept pages to host RAM, between decode steps or while idle (never while
-        prompts wait: their prefill, or a restore, would share the link with it). True while some
-        remain."""
-        if self.tiers is None or self.scheduler.waiting:
-            return False
-        return self.tiers.pump()
-
-    def _pool_tight(self) -> bool:
-        """Whether the next request could evict kept pages: fewer pages surely empty (free and holding no
-        cached K/V; a lower bound, as cached pages in use count against it) than the longest request takes.
-        While the pool is roomy, kept pages go down only between steps: beside a prefill the pump's copies
-        took SMs and bandwidth from it (an 8,890-token Qwen3-30B-A3B prompt served in 172.8 ms with them,
-        165.8 without, H200), for pages no allocation was about to take."""
-        blocks = self.scheduler.blocks
-        return blocks.num_free - blocks.num_cached < -(-self.context_length // blocks.block_size)
 
     def _launch_following(self, inflight: Launched) -> Launched | None:
         """Launch the decode step after ``inflight`` before its tokens are known, when it is certain to

@@ -4,7 +4,7 @@ nothing is lost at shutdown."""
 
 from __future__ import annotations
 
-from qml_runtime import engine as engine_module
+from qml_runtime import kept_pages
 from qml_runtime.config import CacheConfig, SchedulerConfig
 from qml_runtime.engine import Engine
 from qml_runtime.sampling_params import SamplingParams
@@ -34,9 +34,9 @@ def _prompt(eng: Engine, text: str) -> list[int]:
 
 
 def test_a_request_that_arrives_meanwhile_goes_before_the_last_ones_pages(engine, monkeypatch):
-    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
-    monkeypatch.setattr(engine_module, "PERSIST_IDLE_CHUNK", 1)  # (after a step, too)
-    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)  # one chunk after a step
+    monkeypatch.setattr(kept_pages, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(kept_pages, "PERSIST_IDLE_CHUNK", 1)  # (after a step, too)
+    monkeypatch.setattr(kept_pages, "PERSIST_SHARE", 0.0)  # one chunk after a step
     eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
     persisted = []
     persist = eng.tiers.persist
@@ -62,8 +62,8 @@ def test_a_request_that_arrives_meanwhile_goes_before_the_last_ones_pages(engine
 def test_while_idle_a_new_request_waits_for_one_small_chunk(engine, monkeypatch):
     """Idle, the loop hands pages over ``PERSIST_IDLE_CHUNK`` at a time (beside a step, ``PERSIST_CHUNK``) and
     checks the inbox between chunks: a turn that arrives meanwhile waits for the chunk in hand only."""
-    monkeypatch.setattr(engine_module, "PERSIST_IDLE_CHUNK", 2)
-    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)
+    monkeypatch.setattr(kept_pages, "PERSIST_IDLE_CHUNK", 2)
+    monkeypatch.setattr(kept_pages, "PERSIST_SHARE", 0.0)
     eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
     calls, b_out = [], []
     persist = eng.tiers.persist
@@ -97,8 +97,8 @@ def test_a_queue_of_prompts_does_not_starve_the_pages_of_those_before(engine, mo
     """Back to back, the loop is never idle: after each step the pages of the requests that ended
     before it go down for a share of that step's time, so a later prompt does not evict them first.
     Those of the request that ended in the step itself wait for the next."""
-    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
-    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 1e3)  # the whole backlog after a step
+    monkeypatch.setattr(kept_pages, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(kept_pages, "PERSIST_SHARE", 1e3)  # the whole backlog after a step
     # one prompt a step
     eng = _engine(engine, SchedulerConfig(max_batched_tokens=96), num_blocks=64, host_bytes=64 * 2**20)
     try:
@@ -146,8 +146,8 @@ def test_a_page_taken_for_another_block_before_its_turn_is_skipped(engine):
 
 def test_a_shutdown_keeps_what_had_not_gone_down_yet(engine, tmp_path, monkeypatch):
     """The queue is emptied before the tiers close: a restart on the same store finds the request's pages."""
-    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
-    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)  # one chunk after a step
+    monkeypatch.setattr(kept_pages, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(kept_pages, "PERSIST_SHARE", 0.0)  # one chunk after a step
     eng = _engine(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
     ids = _prompt(eng, "Count with me: " + " ".join(str(i) for i in range(20)))
     out = []
@@ -169,8 +169,8 @@ def test_a_shutdown_keeps_what_had_not_gone_down_yet(engine, tmp_path, monkeypat
 def test_flush_kv_waits_for_the_pages_and_their_disk_writes(engine, tmp_path, monkeypatch):
     import time
 
-    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
-    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)
+    monkeypatch.setattr(kept_pages, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(kept_pages, "PERSIST_SHARE", 0.0)
     eng = _engine(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
     put = eng.tiers.disk.put
     eng.tiers.disk.put = lambda *a: (time.sleep(0.05), put(*a))[1]  # a slow disk
@@ -188,8 +188,8 @@ def test_flush_kv_waits_for_the_pages_and_their_disk_writes(engine, tmp_path, mo
 def test_pages_go_down_while_a_long_prefill_runs_not_after_it(engine, monkeypatch):
     """A finished request's pages are handed over while the next prompt's prefill runs (``runner.step``'s
     ``while_running``), so nothing is left to do between that step's token and the request after it."""
-    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
-    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)  # after a step: one chunk only
+    monkeypatch.setattr(kept_pages, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(kept_pages, "PERSIST_SHARE", 0.0)  # after a step: one chunk only
     eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
     in_step, during, after = [False], [], []
     persist = eng.tiers.persist
@@ -234,8 +234,8 @@ def test_pages_go_down_while_a_long_prefill_runs_not_after_it(engine, monkeypatc
 
 
 def test_a_failure_handing_pages_over_beside_a_step_does_not_fail_its_requests(engine, monkeypatch):
-    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
-    monkeypatch.setattr(engine_module, "PERSIST_SHARE", 0.0)  # A's pages wait for B's step
+    monkeypatch.setattr(kept_pages, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(kept_pages, "PERSIST_SHARE", 0.0)  # A's pages wait for B's step
     eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
     try:
         a_out, b_out = [], []
@@ -258,7 +258,7 @@ def test_a_failure_handing_pages_over_beside_a_step_does_not_fail_its_requests(e
 def test_an_expected_request_holds_the_idle_loops_background_work(engine, monkeypatch):
     """While a request is on its way (``expect_request``: the server is parsing and tokenizing it), the idle loop
     hands no pages to the tiers; ``submit`` ends the hold, and the request runs before the pages go."""
-    monkeypatch.setattr(engine_module, "PERSIST_IDLE_CHUNK", 1)
+    monkeypatch.setattr(kept_pages, "PERSIST_IDLE_CHUNK", 1)
     eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
     calls, b_out = [], []
     persist = eng.tiers.persist
@@ -288,7 +288,7 @@ def test_an_expected_request_holds_the_idle_loops_background_work(engine, monkey
 
 def test_after_a_step_a_waiting_request_goes_before_earlier_pages(engine, monkeypatch):
     """After a step, the pages of requests that ended before it go down only while nobody waits in the inbox."""
-    monkeypatch.setattr(engine_module, "PERSIST_CHUNK", 1)
+    monkeypatch.setattr(kept_pages, "PERSIST_CHUNK", 1)
     eng = _engine(engine, num_blocks=64, host_bytes=64 * 2**20)
     calls = []
     persist = eng.tiers.persist
