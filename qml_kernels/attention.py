@@ -17,7 +17,7 @@ the softmax), and tanh logit soft-capping.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,8 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32: tokens in cache after this step
     cu_seqlens_q_host: list[int]
     context_lens_host: list[int]
+    # what a kernel derives from this metadata once and reuses at every layer (attention_turn's runs)
+    plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def build(cls, slot_mapping: list[int] | torch.Tensor, block_tables: list[list[int]], cu_seqlens_q: list[int],
@@ -192,9 +194,25 @@ def _cudnn_supports(*args, **kwargs) -> bool:
     return supported(*args, **kwargs)
 
 
+def _paged_attention_turn(*args, **kwargs):
+    from qml_kernels.attention_turn import turn_attention
+
+    return turn_attention(*args, **kwargs)
+
+
+def _turn_supports(*args, **kwargs) -> bool:
+    if not args[0].is_cuda:
+        return False
+    from qml_kernels.attention_turn import supported
+
+    return supported(*args, **kwargs)
+
+
 register("kv_write", "reference", kv_write_ref)
 register("paged_attention", "reference", paged_attention_ref)
 # first choice for fresh prompts (faster where it applies), then Triton for everything
 register("paged_attention", "cudnn", _paged_attention_cudnn, devices=("cuda",), supports=_cudnn_supports)
+# a turn of a few hundred queries over a long cached history: cuDNN over the history, Triton over the rest
+register("paged_attention", "cudnn_turn", _paged_attention_turn, devices=("cuda",), supports=_turn_supports)
 register("paged_attention", "triton", _paged_attention_triton, devices=("cuda",), supports=_triton_supports)
 paged_attention = dispatch("paged_attention")

@@ -48,6 +48,7 @@ import time
 
 import torch
 
+from qml_kernels import attention_turn
 from qml_kernels.attention import AttentionMetadata, block_tables_tensor
 from qml_kernels.sampling import sample
 
@@ -157,8 +158,9 @@ class _GraphFamily:
         self._before_capture(key)  # inputs that write no K/V into anybody's pages
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._forward(key, capturing=True)  # warm-up: Triton compiles, cuBLAS picks its kernels
+        # warm-up: Triton compiles, cuBLAS picks its kernels, cuDNN's turn attention builds its graph
+        with torch.cuda.stream(side), attention_turn.builds():
+            self._forward(key, capturing=True)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:

@@ -1,0 +1,455 @@
+"""The next turn's attention over a long cached history: cuDNN over the history's whole pages, split
+into runs, our Triton kernel over the rest of the keys, both merged in that kernel.
+
+Why: a conversation's next turn is a few hundred new queries over tens of thousands of cached keys.
+On the H200 our split-KV launch runs 150 queries over 27,339 keys (Llama-3.1-8B heads) in 208-210 us
+a layer (~320 TFLOP/s), ~8.4 of the turn's ~16 device ms in the engine. cuDNN's paged SDPA reads our
+token-major pages as they are (its K/V containers are ``[pages, H_kv, page, D]``, the in-page layout
+given by strides) and, with each KV head's query heads packed as the rows of one head (G x n_q rows
+of MHA instead of n_q rows of GQA: 600 rows in 5 tiles of 128 rather than 150 in 2) and the history
+cut into runs of pages folded into the batch, does the history's part in 151-157 us
+(``benchmarks/results/cudnn-turn-h200-2026-12-04.md``). Its wave count decides its time (one
+program per SM, 40 programs a run at these shapes: 3 runs 153 us, 4 runs 220 us), so the run count
+fills one wave.
+
+What cuDNN cannot do here: a causal mask on packed rows (a row's token is row // G). So the work is
+cut by keys: cuDNN attends every query to the history's whole pages ``[0, tail)`` with no mask (the
+queries all come after them); ``_turn_tail_merge_kernel`` attends each query to the keys from
+``tail`` to its own position (the step's own tokens and at most a page's worth before them,
+causal), and merges the parts by their log-sum-exps. Each part is a softmax over disjoint keys:
+``out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M)``, with cuDNN's stats (natural log) taken to
+base 2.
+
+Where it runs: steps that the engine replays from a CUDA graph (a single turn of up to
+``TURN_MAX_QUERIES`` queries over a long history), whose shapes are fixed, so each cuDNN graph is
+built once, in the warm-up before the capture (70-120 ms a build on the H200: ``builds``). Eager
+steps use it only for shapes built already (served, a build on an eager turn restoring its history
+from host RAM took that turn from 88 to 218 ms). The per-step plan (run boundaries, block tables,
+lengths) is made on the device from the step's metadata, as a replay needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from qml_kernels.attention import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+TURN_MIN_HISTORY = 4096  # cached keys before the step's queries, in every sequence (in the host lists)
+TURN_MAX_QUERIES = 512  # the tail kernel attends these causally on its own; longer chunks stay with Triton
+ROWS = 64  # rows of the tail kernel's tile: TILE_TOKENS = ROWS // G tokens of G query heads
+CUDNN_TILE = 128  # rows of cuDNN's Hopper tile (what the run count is sized with)
+MAX_RUNS = 16  # (the merge unrolls a loop over them)
+ENABLED = os.environ.get("QML_CUDNN_TURN", "1") != "0"
+
+
+@functools.cache
+def _cudnn():
+    """cudnn-frontend's module, or None where it is not installed (CPU machines, CI)."""
+    try:
+        import cudnn
+
+        return cudnn
+    except Exception:  # noqa: BLE001 - missing, or its backend library cannot load: not available
+        return None
+
+
+def num_runs(rows: int, kv_heads: int, sms: int) -> int:
+    """Runs of the history (batch entries per sequence) so that one sequence's cuDNN programs fill one
+    wave: ``kv_heads x ceil(rows / 128)`` programs a run, one per SM."""
+    per_run = kv_heads * -(-rows // CUDNN_TILE)
+    return max(1, min(MAX_RUNS, sms // per_run))
+
+
+def _bucket(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+class _Buffers:
+    """The history part's operands for one launch shape, reused by every call of it: q ``[E, Hkv, R, D]``
+    (entry e = sequence e // runs, run e % runs; row tok * G + g), o like q, stats ``[E, Hkv, R, 1]``
+    (natural log), block tables ``[E, 1, max_pages, 1]``, rows and keys per entry."""
+
+    def __init__(self, device, dtype, E: int, Hkv: int, R: int, D: int, max_pages: int):
+        self.q = torch.zeros(E, Hkv, R, D, dtype=dtype, device=device)  # zeros: padded rows stay finite
+        self.o = torch.zeros_like(self.q)
+        self.stats = torch.zeros(E, Hkv, R, 1, dtype=torch.float32, device=device)
+        self.table = torch.zeros(E, 1, max_pages, 1, dtype=torch.int32, device=device)
+        self.seq_q = torch.zeros(E, 1, 1, 1, dtype=torch.int32, device=device)
+        self.seq_kv = torch.zeros(E, 1, 1, 1, dtype=torch.int32, device=device)
+
+
+class _Graph(_Buffers):
+    """A cuDNN paged SDPA graph for one launch shape: the packed rows over the runs' pages, no mask, the
+    padding by lengths, softmax stats out."""
+
+    def __init__(self, cudnn, device, dtype, E: int, Hkv: int, R: int, D: int, pool_shape, pool_strides,
+                 max_pages: int, page: int, scale: float):
+        super().__init__(device, dtype, E, Hkv, R, D, max_pages)
+        dt = cudnn.data_type
+        io = dt.BFLOAT16 if dtype == torch.bfloat16 else dt.HALF
+        self.handle = cudnn.create_handle()
+        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
+                          handle=self.handle)
+        t = {}
+        t["q"] = g.tensor(name="q", dim=list(self.q.shape), stride=list(self.q.stride()), data_type=io)
+        # our pool [P, S, Hkv, D] as cuDNN's container [P, Hkv, S, D]: the same bytes, by strides
+        P, S, _, _ = pool_shape
+        dims = [P, Hkv, S, D]
+        strides = [pool_strides[0], pool_strides[2], pool_strides[1], pool_strides[3]]
+        t["k"] = g.tensor(name="k", dim=dims, stride=strides, data_type=io)
+        t["v"] = g.tensor(name="v", dim=dims, stride=strides, data_type=io)
+        for name, buf in (("table", self.table), ("seq_q", self.seq_q), ("seq_kv", self.seq_kv)):
+            t[name] = g.tensor(name=name, dim=list(buf.shape), stride=list(buf.stride()), data_type=dt.INT32)
+        o, stats = g.sdpa(name="turn", q=t["q"], k=t["k"], v=t["v"], attn_scale=scale, generate_stats=True,
+                          use_padding_mask=True, seq_len_q=t["seq_q"], seq_len_kv=t["seq_kv"],
+                          paged_attention_k_table=t["table"], paged_attention_v_table=t["table"],
+                          paged_attention_max_seq_len_kv=max_pages * page)
+        o.set_output(True).set_dim(list(self.o.shape)).set_stride(list(self.o.stride())).set_data_type(io)
+        stats.set_output(True).set_data_type(dt.FLOAT)
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        self.graph, self.tensors, self.out_o, self.out_stats, self.cudnn = g, t, o, stats, cudnn
+        self.workspace = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device=device)
+
+    def run(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        t = self.tensors
+        # cuDNN launches on its handle's stream: torch's current one (a CUDA graph captures on a side stream)
+        self.cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
+        self.graph.execute({t["q"]: self.q, t["k"]: k_cache, t["v"]: v_cache, t["table"]: self.table,
+                            t["seq_q"]: self.seq_q, t["seq_kv"]: self.seq_kv, self.out_o: self.o,
+                            self.out_stats: self.stats}, self.workspace, handle=self.handle)
+
+
+_GRAPHS: dict[tuple, _Graph | None] = {}  # launch shape -> built graph (None: cuDNN declined it)
+_builds = 0  # > 0 inside ``builds()``: new launch shapes may be built
+
+
+@contextlib.contextmanager
+def builds():
+    """Where new launch shapes may be built (70-120 ms each, with a trial capture): the warm-up before a
+    CUDA graph's capture (``qml_runtime.cuda_graphs``), checks and benchmarks. Elsewhere a step whose shape
+    was not built runs the Triton kernel: a served step must not stall on a build (an eager turn's block
+    table width, part of the shape, differs at every step)."""
+    global _builds
+    _builds += 1
+    try:
+        yield
+    finally:
+        _builds -= 1
+
+
+def _launch_shape(q, k_cache, meta: AttentionMetadata, sms: int) -> tuple:
+    """The cuDNN launch for this step, from host values only: (E entries, runs per sequence, rows, pages a
+    run can hold). The device metadata may hold other lengths (a CUDA graph's replays): the rows and pages
+    are sized for the largest the host lists and the block table allow."""
+    H = q.shape[1]
+    Hkv = k_cache.shape[2]
+    G = H // Hkv
+    cu = meta.cu_seqlens_q_host
+    n_max = max(b - a for a, b in itertools.pairwise(cu))
+    rows = _bucket(G * n_max, 64)
+    runs = num_runs(rows, Hkv, sms)
+    B = meta.num_seqs
+    max_pages = -(-meta.block_tables.shape[1] // runs) + 1
+    return (B * runs, runs, rows, _bucket(max_pages, 16))
+
+
+@functools.cache
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _captures(graph: _Graph, k_cache, v_cache) -> bool:
+    """Whether a launch of ``graph`` records into a CUDA graph (the engine replays turns from them): tried
+    once, with no rows and no keys, before the engine's captures rely on it."""
+    try:
+        side = torch.cuda.Stream(k_cache.device)
+        side.wait_stream(torch.cuda.current_stream(k_cache.device))
+        trial = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side), torch.cuda.graph(trial, stream=side):
+            graph.run(k_cache, v_cache)
+        trial.replay()
+        torch.cuda.current_stream(k_cache.device).wait_stream(side)
+        torch.cuda.synchronize(k_cache.device)
+        return True
+    except Exception:  # noqa: BLE001 - not capturable: Triton serves these steps
+        return False
+
+
+def _graph_for(q, k_cache, meta, scale, v_cache=None) -> tuple[_Graph | None, int]:
+    E, runs, rows, max_pages = _launch_shape(q, k_cache, meta, _sms(q.device.index or 0))
+    Hkv, D = k_cache.shape[2], q.shape[2]
+    key = (q.device.index, q.dtype, E, Hkv, rows, D, tuple(k_cache.shape), tuple(k_cache.stride()), max_pages,
+           float(scale))
+    if key not in _GRAPHS:
+        if not _builds or torch.cuda.is_current_stream_capturing():
+            return None, runs  # (a build cannot run inside a capture either: the warm-up before it builds)
+        try:
+            graph = _Graph(_cudnn(), q.device, q.dtype, E, Hkv, rows, D, tuple(k_cache.shape),
+                           tuple(k_cache.stride()), max_pages, k_cache.shape[1], scale)
+            _GRAPHS[key] = graph if _captures(graph, k_cache, k_cache if v_cache is None else v_cache) else None
+        except Exception:  # noqa: BLE001 - cuDNN declines the shape: Triton serves it
+            _GRAPHS[key] = None
+    return _GRAPHS[key], runs
+
+
+def supported(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None, sinks=None,
+              softcap=None, out=None) -> bool:
+    if not (ENABLED and q.is_cuda and q.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16)
+            and k_cache.dtype == v_cache.dtype == q.dtype and k_cache.stride() == v_cache.stride()
+            and sliding_window is None and sinks is None and softcap is None):
+        return False
+    H, D = q.shape[1], q.shape[2]
+    Hkv = k_cache.shape[2]
+    if H % Hkv or ROWS % (H // Hkv) or D % 8 or D > 128 or D & (D - 1) or meta.is_decode:
+        return False
+    cu, lens = meta.cu_seqlens_q_host, meta.context_lens_host
+    shapes = [(cu[b + 1] - cu[b], L) for b, L in enumerate(lens)]
+    if not all(0 < n <= TURN_MAX_QUERIES and L - n >= TURN_MIN_HISTORY for n, L in shapes):
+        return False
+    if _cudnn() is None:
+        return False
+    graph, _ = _graph_for(q, k_cache, meta, scale, v_cache)
+    return graph is not None
+
+
+@triton.jit
+def _turn_plan_kernel(block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, table_ptr, seq_q_ptr, seq_kv_ptr,
+                      tail_ptr, stride_bt, width, max_pages,
+                      RUNS: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Entry e = (sequence e // RUNS, run e % RUNS): its pages of the history's whole pages, cut into RUNS
+    runs that differ by at most one page; its lengths (rows: the sequence's queries x G; keys: the run's);
+    and each sequence's first key past its runs (the tail kernel's)."""
+    e = tl.program_id(0)
+    b = e // RUNS
+    r = e % RUNS
+    n_q = tl.load(cu_seqlens_q_ptr + b + 1) - tl.load(cu_seqlens_q_ptr + b)
+    L = tl.load(context_lens_ptr + b)
+    pages = tl.maximum(L - n_q, 0) // PAGE_SIZE
+    lo = r * pages // RUNS
+    count = (r + 1) * pages // RUNS - lo
+    for j0 in range(0, max_pages, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        take = (j < count) & (lo + j < width)
+        page = tl.load(block_tables_ptr + b * stride_bt + lo + j, mask=take, other=0)
+        tl.store(table_ptr + e * max_pages + j, page, mask=j < max_pages)
+    tl.store(seq_q_ptr + e, n_q * GROUP)
+    tl.store(seq_kv_ptr + e, count * PAGE_SIZE)
+    if r == 0:
+        tl.store(tail_ptr + b, pages * PAGE_SIZE)
+
+
+@triton.jit
+def _tile_of(pid, cu_seqlens_q_ptr, num_seqs, TILE_TOKENS: tl.constexpr):
+    """(sequence, first token) of program ``pid``: sequence b's tiles start at program cu[b] // TILE_TOKENS + b
+    (so T // TILE_TOKENS + B programs cover every sequence's last tile); -1 past the last."""
+    b = pid * 0 - 1  # (tensors from the start: the loop reassigns them)
+    first = pid * 0
+    for i in range(num_seqs):
+        start = tl.load(cu_seqlens_q_ptr + i) // TILE_TOKENS + i
+        if start <= pid:
+            b = i
+            first = start
+    return b, (pid - first) * TILE_TOKENS
+
+
+@triton.jit
+def _turn_pack_q_kernel(q_ptr, packed_ptr, cu_seqlens_q_ptr, num_seqs, stride_q_t, stride_q_h,
+                        stride_p_e, stride_p_h, stride_p_r,
+                        RUNS: tl.constexpr, GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_M: tl.constexpr):
+    """q [T, H, D] -> packed [E, Hkv, R, D]: row tok * G + g of KV head h holds query head h * G + g of the
+    sequence's token tok, copied into each of the sequence's RUNS entries."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b, t0 = _tile_of(pid, cu_seqlens_q_ptr, num_seqs, TILE_TOKENS)
+    q_start = tl.load(cu_seqlens_q_ptr + tl.maximum(b, 0))
+    n_q = tl.load(cu_seqlens_q_ptr + tl.maximum(b, 0) + 1) - q_start
+    rows = tl.arange(0, BLOCK_M)
+    tok = t0 + rows // GROUP
+    ok = tok < tl.where(b >= 0, n_q, 0)  # (no rows past the last sequence's tile)
+    d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + rows % GROUP
+    src = (q_start + tok).to(tl.int64) * stride_q_t + head * stride_q_h
+    x = tl.load(q_ptr + src[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    local = t0 * GROUP + rows
+    for r in tl.static_range(RUNS):
+        e = tl.maximum(b, 0) * RUNS + r
+        dst = e.to(tl.int64) * stride_p_e + kv_head * stride_p_h + local.to(tl.int64) * stride_p_r
+        tl.store(packed_ptr + dst[:, None] + d[None, :], x, mask=ok[:, None])
+
+
+@triton.jit
+def _turn_tail_merge_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, hist_o_ptr, hist_lse_ptr, seq_kv_ptr,
+                            block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, tail_ptr, num_seqs,
+                            pre_scale, stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+                            stride_page, stride_slot, stride_head, stride_bt,
+                            stride_ho_e, stride_ho_h, stride_ho_r, stride_hl_e, stride_hl_h,
+                            RUNS: tl.constexpr, GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A tile of one sequence's queries (TILE_TOKENS tokens x G heads of one KV head): attention over the keys
+    from the sequence's tail start to each query's own position, merged with the RUNS history parts."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b, t0 = _tile_of(pid, cu_seqlens_q_ptr, num_seqs, TILE_TOKENS)
+    if b < 0:
+        return
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    n_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    if t0 >= n_q:
+        return
+    L = tl.load(context_lens_ptr + b)
+    tail = tl.load(tail_ptr + b)
+    rows = tl.arange(0, BLOCK_M)
+    tok = t0 + rows // GROUP
+    row_ok = tok < n_q
+    head = kv_head * GROUP + rows % GROUP
+    q_pos = L - n_q + tok
+    d = tl.arange(0, HEAD_DIM)
+    q_row = (q_start + tok).to(tl.int64) * stride_q_t + head * stride_q_h
+    q = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    k_base = k_cache_ptr + kv_head * stride_head
+    v_base = v_cache_ptr + kv_head * stride_head
+    bt_row = block_tables_ptr + b * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    hi = L - n_q + tl.minimum(t0 + TILE_TOKENS, n_q)  # past the tile's last query
+    for n0 in range(tail, hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < hi
+        page = tl.load(bt_row + keys // PAGE_SIZE, mask=key_ok, other=0)
+        slot = page.to(tl.int64) * stride_page + (keys % PAGE_SIZE) * stride_slot
+        k = tl.load(k_base + slot[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_base + slot[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * pre_scale
+        s = tl.where((keys[None, :] <= q_pos[:, None]) & key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    # every query sees its own key (tail <= its position), so l_i > 0 on real rows; padded rows are not stored
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # base 2, of the scores times pre_scale
+    o = acc / l_safe[:, None]
+    # the history's parts: cuDNN's o (normalised) and stats (natural log of its scaled scores)
+    local = t0 * GROUP + rows
+    top = lse
+    for r in tl.static_range(RUNS):
+        e = b * RUNS + r
+        has_keys = (rows * 0 + tl.load(seq_kv_ptr + e)) > 0
+        part = tl.load(hist_lse_ptr + e * stride_hl_e + kv_head * stride_hl_h + local, mask=row_ok, other=0.0)
+        part = tl.where(has_keys, part * 1.4426950408889634, float("-inf"))
+        top = tl.maximum(top, part)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    num = o * w[:, None]
+    den = w
+    for r in tl.static_range(RUNS):
+        e = b * RUNS + r
+        has_keys = (rows * 0 + tl.load(seq_kv_ptr + e)) > 0  # [BLOCK_M]: a run of no keys weighs nothing
+        part = tl.load(hist_lse_ptr + e * stride_hl_e + kv_head * stride_hl_h + local, mask=row_ok, other=0.0)
+        part = tl.where(has_keys, part * 1.4426950408889634, float("-inf"))
+        w_r = tl.exp2(part - top)
+        o_r = tl.load(hist_o_ptr + e.to(tl.int64) * stride_ho_e + kv_head * stride_ho_h
+                      + local.to(tl.int64)[:, None] * stride_ho_r + d[None, :],
+                      mask=(row_ok & has_keys)[:, None], other=0.0).to(tl.float32)
+        num += o_r * w_r[:, None]
+        den += w_r
+    res = num / den[:, None]
+    o_row = (q_start + tok).to(tl.int64) * stride_o_t + head * stride_o_h
+    tl.store(out_ptr + o_row[:, None] + d[None, :], res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+class _Plan:
+    """What a step's layers share: the history's runs, laid out for cuDNN on the device (once per step)."""
+
+    def __init__(self, graph, runs: int, meta: AttentionMetadata, group: int, page: int):
+        self.graph, self.runs = graph, runs
+        self.tail = torch.empty(meta.num_seqs, dtype=torch.int32, device=meta.block_tables.device)
+        E, _, max_pages, _ = graph.table.shape
+        bt = meta.block_tables
+        _turn_plan_kernel[(E,)](bt, meta.cu_seqlens_q, meta.context_lens, graph.table, graph.seq_q, graph.seq_kv,
+                                self.tail, bt.stride(0), bt.shape[1], max_pages,
+                                RUNS=runs, GROUP=group, PAGE_SIZE=page, BLOCK=256)
+
+
+def turn_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None, sinks=None,
+                   softcap=None, out=None, history=None) -> torch.Tensor:
+    """q: [T, H, Dh]; caches [P, S, Hkv, Dh] -> out [T, H, Dh] (see ``supported`` for the steps it serves).
+
+    ``history``: what runs the history's part on the packed rows (``plan.graph``'s buffers); cuDNN unless
+    given (tests on machines without it pass a reference)."""
+    assert sliding_window is None and sinks is None and softcap is None
+    T, H, D = q.shape
+    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = H // Hkv
+    out = torch.empty_like(q) if out is None else out
+    # one plan per step and launch shape (layers of other shapes, if a model has them, get their own)
+    key = ("turn", tuple(q.shape), q.dtype, tuple(k_cache.shape), tuple(k_cache.stride()), float(scale))
+    plan = meta.plans.get(key)
+    if plan is None:
+        graph, runs = _graph_for(q, k_cache, meta, scale, v_cache) if history is None \
+            else history.graph_for(q, k_cache, meta)
+        plan = meta.plans[key] = _Plan(graph, runs, meta, G, S)
+    g = plan.graph
+    tt = ROWS // G
+    grid = (T // tt + meta.num_seqs, Hkv)
+    _turn_pack_q_kernel[grid](q, g.q, meta.cu_seqlens_q, meta.num_seqs, q.stride(0), q.stride(1),
+                              g.q.stride(0), g.q.stride(1), g.q.stride(2),
+                              RUNS=plan.runs, GROUP=G, TILE_TOKENS=tt, HEAD_DIM=D, BLOCK_M=ROWS, num_warps=4)
+    if history is None:
+        g.run(k_cache, v_cache)
+    else:
+        history(g, k_cache, v_cache, scale)
+    _turn_tail_merge_kernel[grid](
+        q, k_cache, v_cache, out, g.o, g.stats, g.seq_kv, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+        plan.tail, meta.num_seqs, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        g.o.stride(0), g.o.stride(1), g.o.stride(2), g.stats.stride(0), g.stats.stride(1),
+        RUNS=plan.runs, GROUP=G, TILE_TOKENS=tt, HEAD_DIM=D, PAGE_SIZE=S, BLOCK_M=ROWS, BLOCK_N=64,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+    return out
+
+
+class HistoryReference:
+    """The history's part in fp32 torch, on the same buffers: what cuDNN computes there, for machines without
+    it (tests) and as the check of the GPU path. ``sms``: the SMs the run count is sized for."""
+
+    def __init__(self, sms: int = 8):
+        self.sms = sms
+
+    def graph_for(self, q, k_cache, meta: AttentionMetadata) -> tuple[_Buffers, int]:
+        E, runs, rows, max_pages = _launch_shape(q, k_cache, meta, self.sms)
+        return _Buffers(q.device, q.dtype, E, k_cache.shape[2], rows, q.shape[2], max_pages), runs
+
+    def __call__(self, g: _Buffers, k_cache, v_cache, scale: float) -> None:
+        S, Hkv, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        for e in range(g.q.shape[0]):
+            rows, keys = int(g.seq_q[e]), int(g.seq_kv[e])
+            if rows == 0 or keys == 0:
+                continue
+            pages = g.table[e, 0, : keys // S, 0].long()
+            k = k_cache[pages].reshape(-1, Hkv, D).float()  # [keys, Hkv, D]
+            v = v_cache[pages].reshape(-1, Hkv, D).float()
+            s = torch.einsum("hrd,khd->hrk", g.q[e, :, :rows].float(), k) * scale
+            g.stats[e, :, :rows, 0] = torch.logsumexp(s, -1)
+            g.o[e, :, :rows] = torch.einsum("hrk,khd->hrd", torch.softmax(s, -1), v).to(g.o.dtype)
+
+
+__all__ = ["TURN_MAX_QUERIES", "TURN_MIN_HISTORY", "HistoryReference", "num_runs", "supported", "turn_attention"]
