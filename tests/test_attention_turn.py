@@ -31,8 +31,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCES = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 CASES = (
-    Case("gqa4-one-turn", {"seqs": ((21, 300),), "H": 8, "Hkv": 2, "Dh": 64, "shuffle": True},
-         edge="group 4 (4 query heads a row group), the history ending mid-page: the tail starts a page back"),
+    Case("gqa4-one-turn", {"seqs": ((21, 300),), "H": 8, "Hkv": 2, "Dh": 64, "shuffle": True, "fused_q": True},
+         edge="group 4 (4 query heads a row group), the history ending mid-page: the tail starts a page back; q a "
+              "view into the QKV projection, as the engine passes it"),
     Case("two-turns-ragged", {"seqs": ((5, 161), (17, 240)), "H": 4, "Hkv": 1, "Dh": 32, "shuffle": True},
          edge="two sequences, tiles of two lengths; the second's tail spans pages"),
     Case("mha-page-aligned", {"seqs": ((16, 144),), "H": 2, "Hkv": 2, "Dh": 128},
