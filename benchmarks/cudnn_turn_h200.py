@@ -14,7 +14,9 @@ The sessions bench's GPU-history turn spends ~8.4 of its ~16 device ms in attent
 
 Each form is checked against ``paged_attention_ref`` in fp32 (the parts merged in torch from their stats
 for the split forms) before it is timed; the times are one call each, from a CUDA graph when cuDNN's
-launch can be captured (else back-to-back eager calls between two events).
+launch can be captured (else back-to-back eager calls between two events). The 2026-12-04 results were timed
+with a graph loop of this script's own (7 replays of 16 calls, median); it now calls ``gemv_h200.graph_us``
+(5 replays of 16 calls, median), as attention_pipeline_h200.py does.
 
     python benchmarks/cudnn_turn_h200.py --out DIR
 """
@@ -30,6 +32,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from gemv_h200 import graph_us  # beside this script: the CUDA-graph timing loop
 
 from qml_kernels import attention_turn
 from qml_kernels.attention import AttentionMetadata, paged_attention_ref
@@ -59,35 +62,13 @@ def _inputs(n_q: int, L: int, shuffle: bool, dev) -> dict:
 
 
 def _time_us(fn) -> tuple[float, str]:
-    """Median us of one call: a CUDA graph of 16 calls replayed, or eager calls if capture fails."""
-    fn()
-    torch.cuda.synchronize()
+    """Median us of one call: from a CUDA graph (``gemv_h200.graph_us``, 16 calls a replay), else eager."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(16):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        runs, calls, how = lambda: graph.replay(), 16, "graph"
-    except Exception as exc:  # noqa: BLE001 - the eager form below times it anyway
+        return graph_us(lambda _: fn(), 1), "graph"
+    except Exception as exc:  # noqa: BLE001 - the eager form times it anyway
         print(f"  capture failed ({type(exc).__name__}: {str(exc)[:120]}); eager timing", flush=True)
         torch.cuda.synchronize()
-        runs, calls, how = (lambda: [fn() for _ in range(16)]), 16, "eager"
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        runs()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[3], how
+        return _eager_us(fn), "eager"
 
 
 def _eager_us(fn) -> float:

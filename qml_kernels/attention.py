@@ -16,6 +16,7 @@ the softmax), and tanh logit soft-capping.
 
 from __future__ import annotations
 
+import importlib
 from array import array
 from dataclasses import dataclass, field
 
@@ -180,39 +181,25 @@ def _triton_supports(q, k_cache, v_cache, meta, *args, **kwargs) -> bool:
     return _kernel_for(meta, q)._supported(q, k_cache, v_cache, meta, *args, **kwargs)
 
 
-def _paged_attention_cudnn(*args, **kwargs):
-    from qml_kernels.attention_cudnn import paged_prefill_attention_cudnn
+def _imported(module: str, name: str, cuda_only: bool = False):
+    """``qml_kernels.<module>.<name>``, looked up at each call (those modules import this one); ``cuda_only``:
+    a support check, False for tensors off the GPU without importing the module."""
 
-    return paged_prefill_attention_cudnn(*args, **kwargs)
+    def call(*args, **kwargs):
+        if cuda_only and not args[0].is_cuda:
+            return False
+        return getattr(importlib.import_module(f"qml_kernels.{module}"), name)(*args, **kwargs)
 
-
-def _cudnn_supports(*args, **kwargs) -> bool:
-    if not args[0].is_cuda:
-        return False
-    from qml_kernels.attention_cudnn import supported
-
-    return supported(*args, **kwargs)
-
-
-def _paged_attention_turn(*args, **kwargs):
-    from qml_kernels.attention_turn import turn_attention
-
-    return turn_attention(*args, **kwargs)
-
-
-def _turn_supports(*args, **kwargs) -> bool:
-    if not args[0].is_cuda:
-        return False
-    from qml_kernels.attention_turn import supported
-
-    return supported(*args, **kwargs)
+    return call
 
 
 register("kv_write", "reference", kv_write_ref)
 register("paged_attention", "reference", paged_attention_ref)
 # first choice for fresh prompts (faster where it applies), then Triton for everything
-register("paged_attention", "cudnn", _paged_attention_cudnn, devices=("cuda",), supports=_cudnn_supports)
+register("paged_attention", "cudnn", _imported("attention_cudnn", "paged_prefill_attention_cudnn"), devices=("cuda",),
+         supports=_imported("attention_cudnn", "supported", cuda_only=True))
 # a turn of a few hundred queries over a long cached history: cuDNN over the history, Triton over the rest
-register("paged_attention", "cudnn_turn", _paged_attention_turn, devices=("cuda",), supports=_turn_supports)
+register("paged_attention", "cudnn_turn", _imported("attention_turn", "turn_attention"), devices=("cuda",),
+         supports=_imported("attention_turn", "supported", cuda_only=True))
 register("paged_attention", "triton", _paged_attention_triton, devices=("cuda",), supports=_triton_supports)
 paged_attention = dispatch("paged_attention")

@@ -226,6 +226,23 @@ def _slot_offsets(page, keys, stride_page, stride_slot, PAGE_SIZE: tl.constexpr)
 
 
 @triton.jit
+def tile_of(pid, cu_seqlens_q_ptr, num_seqs, TILE_TOKENS: tl.constexpr, SEQ_CHUNK: tl.constexpr):
+    """(sequence, its first query row, the tile's first token in it) of program ``pid`` of a grid whose
+    sequence b's tiles start at program cu_seqlens_q[b] // TILE_TOKENS + b: the last b whose first tile
+    is <= pid (those indices strictly increase with b, and sequence 0's is 0). So T // TILE_TOKENS + B
+    programs cover every sequence's last tile; a program whose token lies past its sequence's queries
+    has nothing to do."""
+    count = 0
+    for c in range(0, num_seqs, SEQ_CHUNK):
+        b = c + tl.arange(0, SEQ_CHUNK)
+        first_tile = tl.load(cu_seqlens_q_ptr + b, mask=b < num_seqs, other=0) // TILE_TOKENS + b
+        count += tl.sum(((b < num_seqs) & (first_tile <= pid)).to(tl.int32), 0)
+    seq = count - 1
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    return seq, q_start, (pid - (q_start // TILE_TOKENS + seq)) * TILE_TOKENS
+
+
+@triton.jit
 def _attend_keys(acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, L, window, pre_scale, post_scale,
                  stride_page, stride_slot, start, stop,
                  MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -317,18 +334,9 @@ def _paged_prefill_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # this program's sequence: the last b whose first tile index cu_seqlens_q[b] // TILE_TOKENS + b
-    # is <= pid (those indices strictly increase with b)
-    count = 0
-    for c in range(0, num_seqs, SEQ_CHUNK):
-        b = c + tl.arange(0, SEQ_CHUNK)
-        first_tile = tl.load(cu_seqlens_q_ptr + b, mask=b < num_seqs, other=0) // TILE_TOKENS + b
-        count += tl.sum(((b < num_seqs) & (first_tile <= pid)).to(tl.int32), 0)
-    seq = count - 1
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    seq, q_start, t0 = tile_of(pid, cu_seqlens_q_ptr, num_seqs, TILE_TOKENS, SEQ_CHUNK)
     n_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     L = tl.load(context_lens_ptr + seq)
-    t0 = (pid - (q_start // TILE_TOKENS + seq)) * TILE_TOKENS
     if t0 >= n_q:
         return
 

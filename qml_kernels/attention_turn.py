@@ -40,8 +40,11 @@ import triton
 import triton.language as tl
 
 from qml_kernels.attention import AttentionMetadata
+from qml_kernels.attention_prefill import LOG2E, tile_of
 
-LOG2E = 1.4426950408889634
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # (the merge takes cuDNN's natural-log stats to base 2)
+# sequences a program scans per step of its search for its own (attention_prefill.tile_of)
+SEQ_CHUNK: tl.constexpr = tl.constexpr(64)
 TURN_MIN_HISTORY = 4096  # cached keys before the step's queries, in every sequence (in the host lists)
 TURN_MAX_QUERIES = 512  # the tail kernel attends these causally on its own; longer chunks stay with Triton
 ROWS = 64  # rows of the tail kernel's tile: TILE_TOKENS = ROWS // G tokens of G query heads
@@ -251,20 +254,6 @@ def _turn_plan_kernel(block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, tabl
 
 
 @triton.jit
-def _tile_of(pid, cu_seqlens_q_ptr, num_seqs, TILE_TOKENS: tl.constexpr):
-    """(sequence, first token) of program ``pid``: sequence b's tiles start at program cu[b] // TILE_TOKENS + b
-    (so T // TILE_TOKENS + B programs cover every sequence's last tile); -1 past the last."""
-    b = pid * 0 - 1  # (tensors from the start: the loop reassigns them)
-    first = pid * 0
-    for i in range(num_seqs):
-        start = tl.load(cu_seqlens_q_ptr + i) // TILE_TOKENS + i
-        if start <= pid:
-            b = i
-            first = start
-    return b, (pid - first) * TILE_TOKENS
-
-
-@triton.jit
 def _turn_pack_q_kernel(q_ptr, packed_ptr, cu_seqlens_q_ptr, num_seqs, stride_q_t, stride_q_h,
                         stride_p_e, stride_p_h, stride_p_r,
                         RUNS: tl.constexpr, GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -273,19 +262,18 @@ def _turn_pack_q_kernel(q_ptr, packed_ptr, cu_seqlens_q_ptr, num_seqs, stride_q_
     sequence's token tok, copied into each of the sequence's RUNS entries."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    b, t0 = _tile_of(pid, cu_seqlens_q_ptr, num_seqs, TILE_TOKENS)
-    q_start = tl.load(cu_seqlens_q_ptr + tl.maximum(b, 0))
-    n_q = tl.load(cu_seqlens_q_ptr + tl.maximum(b, 0) + 1) - q_start
+    b, q_start, t0 = tile_of(pid, cu_seqlens_q_ptr, num_seqs, TILE_TOKENS, SEQ_CHUNK)
+    n_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
     rows = tl.arange(0, BLOCK_M)
     tok = t0 + rows // GROUP
-    ok = tok < tl.where(b >= 0, n_q, 0)  # (no rows past the last sequence's tile)
+    ok = tok < n_q
     d = tl.arange(0, HEAD_DIM)
     head = kv_head * GROUP + rows % GROUP
     src = (q_start + tok).to(tl.int64) * stride_q_t + head * stride_q_h
     x = tl.load(q_ptr + src[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     local = t0 * GROUP + rows
     for r in tl.static_range(RUNS):
-        e = tl.maximum(b, 0) * RUNS + r
+        e = b * RUNS + r
         dst = e.to(tl.int64) * stride_p_e + kv_head * stride_p_h + local.to(tl.int64) * stride_p_r
         tl.store(packed_ptr + dst[:, None] + d[None, :], x, mask=ok[:, None])
 
@@ -303,10 +291,7 @@ def _turn_tail_merge_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, hist_o_ptr
     from the sequence's tail start to each query's own position, merged with the RUNS history parts."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    b, t0 = _tile_of(pid, cu_seqlens_q_ptr, num_seqs, TILE_TOKENS)
-    if b < 0:
-        return
-    q_start = tl.load(cu_seqlens_q_ptr + b)
+    b, q_start, t0 = tile_of(pid, cu_seqlens_q_ptr, num_seqs, TILE_TOKENS, SEQ_CHUNK)
     n_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
     if t0 >= n_q:
         return
@@ -347,30 +332,24 @@ def _turn_tail_merge_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, hist_o_ptr
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # base 2, of the scores times pre_scale
     o = acc / l_safe[:, None]
-    # the history's parts: cuDNN's o (normalised) and stats (natural log of its scaled scores)
+    # the history's parts, folded in one by one: cuDNN's o (normalised) and stats (natural log of its scaled
+    # scores), weighed against the running maximum (finite on every real row: the tail's own part is)
     local = t0 * GROUP + rows
-    top = lse
-    for r in tl.static_range(RUNS):
-        e = b * RUNS + r
-        has_keys = (rows * 0 + tl.load(seq_kv_ptr + e)) > 0
-        part = tl.load(hist_lse_ptr + e * stride_hl_e + kv_head * stride_hl_h + local, mask=row_ok, other=0.0)
-        part = tl.where(has_keys, part * 1.4426950408889634, float("-inf"))
-        top = tl.maximum(top, part)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp2(lse - top)
-    num = o * w[:, None]
-    den = w
+    num = o
+    den = tl.full([BLOCK_M], 1.0, tl.float32)
     for r in tl.static_range(RUNS):
         e = b * RUNS + r
         has_keys = (rows * 0 + tl.load(seq_kv_ptr + e)) > 0  # [BLOCK_M]: a run of no keys weighs nothing
         part = tl.load(hist_lse_ptr + e * stride_hl_e + kv_head * stride_hl_h + local, mask=row_ok, other=0.0)
-        part = tl.where(has_keys, part * 1.4426950408889634, float("-inf"))
-        w_r = tl.exp2(part - top)
+        part = tl.where(has_keys, part * LOG2E_C, float("-inf"))
+        top = tl.maximum(lse, part)
+        keep, w_r = tl.exp2(lse - top), tl.exp2(part - top)
         o_r = tl.load(hist_o_ptr + e.to(tl.int64) * stride_ho_e + kv_head * stride_ho_h
                       + local.to(tl.int64)[:, None] * stride_ho_r + d[None, :],
                       mask=(row_ok & has_keys)[:, None], other=0.0).to(tl.float32)
-        num += o_r * w_r[:, None]
-        den += w_r
+        num = num * keep[:, None] + o_r * w_r[:, None]
+        den = den * keep + w_r
+        lse = top
     res = num / den[:, None]
     o_row = (q_start + tok).to(tl.int64) * stride_o_t + head * stride_o_h
     tl.store(out_ptr + o_row[:, None] + d[None, :], res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
