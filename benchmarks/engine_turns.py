@@ -128,7 +128,8 @@ def section_hostturn(args, device) -> None:
                       "spilled_host": st.spilled_host, "kept_host": st.kept_host,
                       "steps": now["steps"] - was["steps"], "loop_ms": split, "backlog": backlog,
                       "written_disk": st.written_disk, "persist_skipped": st.persist_skipped,
-                      "rates": engine.tiers.planner.rates()})
+                      "rates": engine.tiers.planner.rates(), "plans": dict(st.plans),
+                      "beside_scale": round(engine.tiers.planner.beside_scale, 3)})
         print("host turn:", turns[-1], flush=True)
     record("hostturn", turns=turns)
     engine.shutdown()

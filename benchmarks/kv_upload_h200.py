@@ -27,8 +27,8 @@ from qml_kernels.attention import AttentionMetadata
 from qml_kernels.attention_prefill import PagedPrefillAttentionConfig, paged_prefill_attention_triton
 from qml_kernels.page_copy import PageCopyConfig, page_copy_triton
 from qml_runtime.kv.cache import KVCache
-from qml_runtime.kv.host_tier import HostTier
-from qml_runtime.kv.tiers import KVTiers, _runs
+from qml_runtime.kv.host_tier import HostTier, slot_runs
+from qml_runtime.kv.tiers import KVTiers
 from qml_runtime.presets import PRESETS
 
 
@@ -70,7 +70,7 @@ def upload_section(results: dict) -> None:
         assert ok, f"{name}: pages differ from their host rows"
 
     for layout, slots in (("consecutive", torch.arange(n)), ("scattered", torch.randperm(N, generator=gen)[:n])):
-        runs = [(host.slots, i, s, k) for i, s, k in _runs(slots.tolist())]
+        runs = [(host.slots, i, s, k) for i, s, k in slot_runs(slots.tolist())]
         for layered in (False, True):  # KVTiers._upload as the runtime calls it: staging, or by layer
             tiers.layered = layered
             name = f"{'layered' if layered else 'staging'}/{layout}"
@@ -101,7 +101,7 @@ def upload_section(results: dict) -> None:
     down = torch.empty(n, kv.block_bytes, dtype=torch.uint8, pin_memory=True)
     staged = torch.empty(n, kv.block_bytes, dtype=torch.uint8, device=dev)
     other = torch.cuda.Stream()
-    runs = [(host.slots, i, s, k) for i, s, k in _runs(torch.arange(n).tolist())]
+    runs = [(host.slots, i, s, k) for i, s, k in slot_runs(torch.arange(n).tolist())]
     tiers.layered = True
 
     def d2h():

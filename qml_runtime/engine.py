@@ -473,6 +473,9 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         new_tokens = sum(n for _, n in chunks)
         pure_prefill = new_tokens >= 64 and all(n > 1 for _, n in chunks)
         seconds = sum(self.tiers.planner.prefill_seconds(start, n) for start, n in chunks) if pure_prefill else 0.0
+        # a split's head computed beside its tail's copy from host RAM: its time teaches the planner how much
+        # that copy slows a prefill, not how fast a prefill is
+        beside_copy = pure_prefill and self.tiers.copying([s.pending_load for s in batch.seqs if s.pending_load])
         # kept pages go down beside a long prefill (a burst of prompts never idles the loop, and a turn
         # arriving after it would otherwise evict pages whose copies still wait: 3.5 GB to gather and copy
         # beside its restore, ~100 ms more on the H200)
@@ -509,7 +512,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         self.loop_seconds["step"] += t1 - t0
         self.loop_steps += 1
         if pure_prefill:  # (no chunks without tiers)
-            self.tiers.planner.observe_prefill(chunks, t1 - t0)
+            self.tiers.planner.observe_prefill(chunks, t1 - t0, beside=beside_copy)
         self._take_tokens(batch, tokens, logprobs)
         if not persist_beside:  # (a step that returns has called beside_step)
             self._persist_after(t1 - t0)

@@ -193,7 +193,7 @@ class Scheduler:
         seq.block_table = pages
         computed = on_gpu * S
         if below:
-            plan = self.tiers.plan(below, S, on_gpu * S)
+            plan = self.tiers.plan(below, S, on_gpu * S, seq.num_tokens - covered)
             self.blocks.grow(seq.block_table, covered)
             got = 0
             if plan.host_now:
@@ -209,7 +209,9 @@ class Scheduler:
                 end = on_gpu + len(below)
                 loaded = [(below[i - on_gpu], seq.block_names[i], self._packed(seq, i, i + 1))
                           for i in range(first, end)]
-                seq.pending_load = self.tiers.start_load(loaded, seq.block_table[first:end], first * S, end * S)
+                # (a prefetch: these are host blocks of the run located above, copied from now on)
+                seq.pending_load = self.tiers.start_load(loaded, seq.block_table[first:end], first * S, end * S,
+                                                         first - on_gpu if plan.prefetch else None)
         seq.num_computed = computed
         seq.num_committed = computed // S
         if not seq.admitted:
@@ -229,6 +231,13 @@ class Scheduler:
         n = max(n, 0)
         self.blocks.grow(seq.block_table, seq.num_computed + n)
         return n
+
+    def _drop_load(self, seq: Sequence) -> None:
+        """A load not applied (planned again if ``seq`` comes back): its copies must land before its pages
+        go to anyone else."""
+        load, seq.pending_load = seq.pending_load, None
+        if load is not None:
+            self.tiers.drop_load(load)
 
     def _restorable(self, seq: Sequence, start: int) -> list[str]:
         """The tiers ("host", "disk") of the run of blocks from ``start`` on that the lower tiers hold, up to
@@ -294,9 +303,9 @@ class Scheduler:
         if seq in batch.seqs:
             i = batch.seqs.index(seq)
             del batch.seqs[i], batch.num_tokens[i]
+        self._drop_load(seq)
         self.blocks.release(seq.block_table, seq.retain)  # its full pages stay cached: coming back, it finds them
         seq.num_computed = seq.num_committed = 0
-        seq.pending_load = None  # planned again when it comes back
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
@@ -306,7 +315,7 @@ class Scheduler:
             self.known.add(seq.salt, bytes(seq.named_tokens), list(seq.block_names))
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        seq.pending_load = None
+        self._drop_load(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

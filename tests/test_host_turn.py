@@ -123,14 +123,14 @@ def test_locate_run_is_locate_block_by_block():
 
 
 def test_runs_of_slots_are_the_runs_found_one_by_one():
-    from qml_runtime.kv.tiers import _runs
+    from qml_runtime.kv.host_tier import slot_runs
 
     rng = random.Random(5)
     cases = [[], [3], [1, 2, 4, 5, 9], list(range(100, 1800)), [5, 4, 3], [2, 2]]
     cases += [rng.sample(range(40), rng.randrange(40)) for _ in range(100)]
     cases += [sorted(rng.sample(range(4000), 1700))]
     for slots in cases:
-        assert _runs(slots) == _runs_one_by_one(slots)
+        assert slot_runs(slots) == _runs_one_by_one(slots)
 
 
 def test_register_run_is_register_page_by_page():

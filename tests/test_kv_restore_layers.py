@@ -181,8 +181,8 @@ def test_pages_evicted_in_lru_order_copy_down_in_runs_of_host_slots(monkeypatch)
     slot_of = {p: tiers.host.find(b"name-%d" % p, (p,)) for p in pages}
     assert sorted(slot_of.values()) == list(range(5)) and tiers.deferred == 5
     runs = []
-    real_runs = tiers_mod._runs
-    monkeypatch.setattr(tiers_mod, "_runs", lambda slots: runs.append(real_runs(slots)) or runs[-1])
+    real_runs = tiers_mod.slot_runs
+    monkeypatch.setattr(tiers_mod, "slot_runs", lambda slots: runs.append(real_runs(slots)) or runs[-1])
     for p in (5, 0, 7, 2, 6):  # evicted oldest-first: the reverse of the slot order
         tiers.spill(p, b"name-%d" % p, (p,))
     tiers.flush_spills()
@@ -214,3 +214,170 @@ def test_the_pump_waits_while_a_restore_is_in_flight():
     want = kv.gather_pages(torch.tensor([1, 2, 3]))
     for i, p in enumerate((1, 2, 3)):
         assert torch.equal(tiers.host.slots[tiers.host.find(b"name-%d" % p, (p,))], want[i])
+
+
+def test_an_older_restore_handed_in_later_leaves_the_newer_events():
+    """A split's copy holds its events until its turn (``apply_load``); restores launched after it on the
+    same stream cover its copies, so handing its events in then must not replace theirs."""
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, 6, 4, "cpu", torch.float32)
+    waits = _recording(kv)
+    older = [f"older{i}" for i in range(cfg.num_layers)]
+    newer = [f"newer{i}" for i in range(cfg.num_layers)]
+    kv.restore_events(newer, 2)
+    kv.restore_events(older, 1)
+    kv.layer(0)
+    assert waits == ["newer0"]
+    kv.settle()  # the newer one waited for: the older one is done too, but its events may come in still
+    kv.restore_events(older, 1)
+    kv.layer(1)
+    assert waits[-1] == "older1"
+
+
+def _tiers_with_fake_layered_copies(monkeypatch, num_blocks=10, host_slots=8):
+    """KVTiers on CPU whose host-RAM restores take the layered path with stand-in events (the copy itself
+    done at once): which step waits for which copy is what is checked."""
+    from qml_runtime.kv.host_tier import HostTier
+    from qml_runtime.kv.tiers import KVTiers
+
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, num_blocks, 4, "cpu", torch.float32)
+    waits = _recording(kv)
+    tiers = KVTiers(kv, HostTier(kv.block_bytes, host_slots * kv.block_bytes, pin=False), None)
+
+    def layers(pages, sources, hold=False):
+        for src, d, s, n in sources:
+            for j in range(n):
+                kv.write_page(pages[d + j], src[s + j])
+        tiers._uploads += 1
+        events = [f"copy{tiers._uploads}-layer{i}" for i in range(cfg.num_layers)]
+        if not hold:
+            kv.restore_events(events, tiers._uploads)
+        return events
+
+    tiers._in_place = True
+    monkeypatch.setattr(tiers, "_upload_layers", layers)
+    return kv, tiers, waits
+
+
+def _host_blocks(tiers, count):
+    """``count`` blocks in host RAM with random rows: [(name, packed tokens)], their rows."""
+    from qml_runtime.kv.prefix import pack
+
+    blocks, rows = [], []
+    for i in range(count):
+        name, tokens = b"block-%d" % i, pack(list(range(4 * i, 4 * i + 4)))
+        slot, _ = tiers.host.reserve(name, tokens)
+        tiers.host.slots[slot].copy_(torch.randint(0, 255, (tiers.block_bytes,), dtype=torch.uint8))
+        blocks.append((name, tokens))
+        rows.append(tiers.host.slots[slot].clone())
+    return blocks, rows
+
+
+def test_a_split_tail_is_copied_at_once_and_waited_for_only_by_the_turn(monkeypatch):
+    kv, tiers, waits = _tiers_with_fake_layered_copies(monkeypatch)
+    blocks, rows = _host_blocks(tiers, 5)
+    names, packed = [n for n, _ in blocks], b"".join(t for _, t in blocks)
+    assert tiers.locate_run(names, packed) == ["host"] * 5
+    pages = [7, 3, 8]  # the tail: blocks 2..4 (the head, blocks 0..1, is recomputed)
+    load = tiers.start_load([("host", n, t) for n, t in blocks[2:]], pages, 8, 20, prefetch=2)
+    for page, row in zip(pages, rows[2:]):  # copied already
+        assert torch.equal(kv.data[:, :, page].reshape(-1).view(torch.uint8), row)
+    assert not kv.restoring  # the head's steps do not wait for it
+    kv.layer(0)
+    assert waits == []
+    assert tiers.apply_load(load) == 3 and tiers.stats.restored_host == 3
+    kv.layer(1)  # the turn's step does, layer by layer
+    assert waits == ["copy1-layer1"]
+
+
+def test_a_sequence_leaving_before_its_split_tail_lands_orders_its_pages_after_the_copy(monkeypatch):
+    kv, tiers, waits = _tiers_with_fake_layered_copies(monkeypatch)
+    blocks, _ = _host_blocks(tiers, 3)
+    tiers.locate_run([n for n, _ in blocks], b"".join(t for _, t in blocks))
+    load = tiers.start_load([("host", n, t) for n, t in blocks[1:]], [4, 5], 4, 12, prefetch=1)
+    tiers.drop_load(load)
+    assert waits == [f"copy1-layer{kv.data.shape[0] - 1}"]  # the next user of pages 4 and 5 comes after it
+    assert not kv.restoring
+
+
+def test_a_sequence_leaving_during_its_disk_reads_gives_their_host_slots_back(tmp_path, monkeypatch):
+    import threading
+
+    from qml_runtime.kv.disk_store import DiskStore
+    from qml_runtime.kv.host_tier import HostTier
+    from qml_runtime.kv.prefix import pack, unpack
+    from qml_runtime.kv.tiers import KVTiers
+
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, 8, 4, "cpu", torch.float32)
+    disk = DiskStore(tmp_path, bytes(32), budget_bytes=1 << 30)
+    tiers = KVTiers(kv, HostTier(kv.block_bytes, 4 * kv.block_bytes, pin=False), disk)
+    try:
+        blocks = [(bytes([i]) * 32, pack([i, i, i, i])) for i in range(2)]
+        for name, tokens in blocks:
+            assert disk.put(name, None, unpack(tokens), bytes(kv.block_bytes))
+        gate = threading.Event()
+        get_into = disk.get_into
+        monkeypatch.setattr(disk, "get_into", lambda *a: gate.wait(10) and get_into(*a))
+        load = tiers.start_load([("disk", n, t) for n, t in blocks], [2, 3], 0, 8)
+        assert len(tiers.host._held) == 2
+        tiers.drop_load(load)
+        assert len(tiers.host._held) == 2  # still being read into
+        gate.set()
+        for f in load.futures:
+            f.result(timeout=10)
+        tiers.drop_load(tiers.start_load([], [], 0, 0))  # (reaped on the next load or drop)
+        assert not tiers.host._held
+        assert all(tiers.host.find(n, t) is not None for n, t in blocks)  # read whole: kept in host RAM
+    finally:
+        tiers.close()
+
+
+def test_reusing_a_host_slot_waits_only_for_a_restore_that_reads_it():
+    """A split's tail copies for most of the turn; the engine thread meanwhile keeps finished requests' pages in
+    host RAM, evicting old entries: only a slot the copy reads must wait for it (on the host)."""
+    from qml_runtime.kv.host_tier import HostTier
+    from qml_runtime.kv.tiers import KVTiers
+
+    class Event:
+        def __init__(self):
+            self.waited = False
+
+        def query(self):
+            return self.waited
+
+        def synchronize(self):
+            self.waited = True
+
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, 8, 4, "cpu", torch.float32)
+    tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=False), None)
+    copy = Event()
+    tiers._reads.append(({1, 2, 3}, copy))
+    tiers._settle_slot(5)
+    assert not copy.waited
+    tiers._settle_slot(2)
+    assert copy.waited
+    tiers._settle_slot(2)
+    assert tiers._reads == []  # done: forgotten
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layered copy reads pinned host rows from a GPU")
+def test_on_a_gpu_a_split_tail_lands_in_its_pages_and_the_pool_waits_only_once_applied():
+    from qml_runtime.kv.host_tier import HostTier
+    from qml_runtime.kv.tiers import KVTiers
+
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, 16, 4, "cuda", torch.float16)
+    tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=True), None)
+    blocks, rows = _host_blocks(tiers, 6)
+    tiers.locate_run([n for n, _ in blocks], b"".join(t for _, t in blocks))
+    pages = [11, 4, 9, 13]
+    load = tiers.start_load([("host", n, t) for n, t in blocks[2:]], pages, 8, 24, prefetch=2)
+    assert load.held is not None and not kv.restoring
+    assert tiers.apply_load(load) == 4 and kv.restoring
+    kv.settle()
+    for page, row in zip(pages, rows[2:]):
+        assert torch.equal(kv.data[:, :, page].reshape(-1).view(torch.uint8).cpu(), row)
+    tiers.close()

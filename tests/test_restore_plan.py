@@ -315,3 +315,138 @@ def test_the_disk_probe_counts_a_share_of_what_it_read_alone():
     planner.observe = lambda kind, amount, seconds: seen.append((kind, amount))
     planner_rates.probe_disk(Disk(), planner, threads=8)
     assert 0 < planner_rates.PROBE_SHARE < 1 and seen == [("disk", planner_rates.PROBE_SHARE * 3000)]
+
+
+# --- a host-RAM history split: the head recomputed while the tail is copied in beside it ---------------
+
+def split_planner(**kw) -> RestorePlanner:
+    """The H200's measured curve and host link (50 GB/s for the restore's 32 KiB runs), split on."""
+    return RestorePlanner(**{"prefill_curve": H200_CURVE, "host_bytes_per_s": 50e9, "host_split": True, **kw})
+
+
+def test_a_host_history_is_copied_whole_unless_the_split_is_on():
+    for planner in (split_planner(host_split=False), split_planner()):
+        plan = planner.plan(["host"] * 1708, BLOCK, TOKENS)  # no turn after it: nothing to hide the copy
+        assert (plan.host_now, plan.recompute, plan.load, plan.kind) == (1708, 0, 0, "restore")
+    plan = split_planner(host_split=False).plan(["host"] * 1708, BLOCK, TOKENS, after=150)
+    assert (plan.host_now, plan.kind, plan.prefetch) == (1708, "restore", False)
+
+
+def test_a_long_host_history_splits_where_the_head_and_turn_meet_the_copy():
+    planner = split_planner(beside_scale=1.2)
+    n, after = 1708, 150  # the sessions bench's host-RAM turn: 27k tokens of history, 150 new
+    plan = planner.plan(["host"] * n, BLOCK, TOKENS, after=after)
+    assert plan.kind == "split" and plan.prefetch and plan.host_now == 0 and plan.recompute + plan.load == n
+    host_block = BLOCK / planner.host_bytes_per_s
+    turn = planner.prefill_seconds(n * TOKENS, after)
+
+    def total(k):
+        return max(1.2 * planner.prefill_seconds(0, k * TOKENS) + turn, (n - k) * host_block)
+
+    k = plan.recompute
+    assert total(k) < n * host_block  # sooner than copying everything...
+    assert total(k) <= min(total(k - 1), total(k + 1))  # ...and the best split, where the two sides meet
+    assert abs(1.2 * planner.prefill_seconds(0, k * TOKENS) + turn - (n - k) * host_block) \
+        <= 1.2 * planner.prefill_seconds(k * TOKENS, TOKENS) + host_block
+    assert 50 < k < 300  # ~2-3k tokens of 27k
+    assert plan.seconds < n * host_block < plan.recompute_seconds
+
+
+def test_a_slower_recompute_beside_the_copy_splits_off_less():
+    near = split_planner(beside_scale=1.0).plan(["host"] * 1708, BLOCK, TOKENS, after=150)
+    far = split_planner(beside_scale=2.0).plan(["host"] * 1708, BLOCK, TOKENS, after=150)
+    assert 0 < far.recompute < near.recompute
+    # beside a copy that slows the prefill 200x (one block: 78 ms), copying everything is sooner
+    assert split_planner(beside_scale=200.0).plan(["host"] * 1708, BLOCK, TOKENS, after=150).kind == "restore"
+
+
+def test_a_turn_longer_than_the_copy_does_not_split():
+    plan = split_planner().plan(["host"] * 50, BLOCK, TOKENS, after=4000)  # 2 ms of copy, a 4k-token turn
+    assert plan.kind == "restore" and plan.host_now == 50
+
+
+def test_steps_beside_the_copy_teach_the_beside_scale_only():
+    planner = split_planner(alpha=0.5, beside_scale=1.0)
+    predicted = planner.prefill_seconds(0, 2048)
+    planner.observe_prefill([(0, 2048)], 1.5 * predicted, beside=True)
+    assert planner.prefill_scale == 1.0 and planner.beside_scale == pytest.approx(1.25)
+    planner.observe_prefill([(0, 2048)], 0.5 * predicted, beside=True)  # never below a plain prefill
+    assert planner.beside_scale == pytest.approx(1.125)
+
+
+@given(st.integers(1, 400), st.integers(1, 8000), st.floats(1e8, 1e11), st.floats(1.0, 4.0),
+       st.lists(st.tuples(st.integers(16, 40_000), st.floats(1e-4, 5.0)), min_size=1, max_size=6,
+                unique_by=lambda p: p[0]), st.integers(0, 30_000))
+@settings(max_examples=200, deadline=None)
+def test_a_host_split_is_never_slower_than_copying_or_recomputing(n, after, host, beside, curve, start):
+    planner = RestorePlanner(prefill_curve=sorted(curve), host_bytes_per_s=host, host_split=True,
+                             beside_scale=beside)
+    plan = planner.plan(["host"] * n, BLOCK, TOKENS, start, after)
+    assert plan.host_now + plan.recompute + plan.load == n
+    assert plan.seconds <= plan.recompute_seconds + 1e-9
+    if plan.prefetch:  # (a split whose copy waits for the head: the leading run alone was worth copying)
+        host_block = BLOCK / host
+        turn = max(planner.prefill_seconds(start + n * TOKENS, after), 0.0)
+        whole = RestorePlanner(prefill_curve=sorted(curve), host_bytes_per_s=host).plan(["host"] * n, BLOCK, TOKENS,
+                                                                                          start)
+        split = max(beside * planner.prefill_seconds(start, plan.recompute * TOKENS) + turn, plan.load * host_block)
+        assert plan.kind == "split" and plan.host_now == 0 and (whole.host_now, whole.kind) == (n, "restore")
+        assert split < max(whole.seconds, turn)
+
+
+def host_history(engine, planner: RestorePlanner) -> Engine:
+    """A sibling with a small GPU pool and a host tier, whose first turn is pushed into host RAM by others."""
+    cfg = CacheConfig(block_size=16, num_blocks=12, host_bytes=64 * 2**20)
+    eng = Engine(engine.model, engine.tokenizer, engine.model_config, model_id="plan", device=engine.device,
+                 dtype=engine.dtype, cache=cfg, scheduler=SchedulerConfig(), fingerprint=engine.scheduler.fingerprint)
+    eng.tiers.planner = planner
+    eng.start()
+    return eng
+
+
+LONG_FIRST = [{"role": "user", "content": "Here is a list to keep in mind: apples, rivers, copper, violins, maple "
+                                         "trees, comets, harbours, lanterns, glaciers, and the number 4217. Write "
+                                         "two sentences about the moon and the tides."}]
+
+
+@pytest.fixture(scope="module")
+def long_turn(engine):
+    """A second turn after a first of ~110 tokens: its prompt, and its greedy tokens with no cache."""
+    tok = engine.tokenizer
+    ids1 = tok.apply_chat_template(LONG_FIRST)
+    engine.scheduler.prefix_caching = False
+    try:
+        answer = engine.generate_sync(ids1, GREEDY)
+        second = LONG_FIRST + [{"role": "assistant", "content": answer.text}, {"role": "user", "content": "And the sun?"}]
+        ids2 = tok.apply_chat_template(second)
+        return ids1, ids2, engine.generate_sync(ids2, GREEDY).token_ids
+    finally:
+        engine.scheduler.prefix_caching = True
+
+
+def test_a_host_history_split_gives_the_same_tokens(engine, long_turn):
+    ids1, ids2, tokens = long_turn
+    # per block: 1 s to compute (16 tokens/s), 0.9 s to copy: copying beats computing, block by block, but
+    # computing the first blocks while the others copy beats copying them all
+    planner = RestorePlanner(prefill_tokens_per_s=16.0, alpha=0.0, host_split=True, beside_scale=1.0)
+    eng = host_history(engine, planner)
+    planner.host_bytes_per_s = eng.kv.block_bytes / 0.9
+    plans = []
+    real_plan = eng.tiers.plan
+    eng.tiers.plan = lambda *a: plans.append((a[2], real_plan(*a))) or plans[-1][1]
+    try:
+        eng.generate_sync(ids1, GREEDY)
+        for q in ("Describe the sea.", "What is a prime number?", "Tell me about Paris.", "Why is grass green?"):
+            eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": q}]), GREEDY)
+        plans.clear()
+        before = eng.tiers.stats.restored_host
+        out = eng.generate_sync(ids2, GREEDY)
+        on_gpu, plan = plans[-1]
+        assert plan.kind == "split" and plan.prefetch and plan.recompute >= 1 and plan.load >= 2
+        assert eng.tiers.stats.restored_host - before == plan.load
+        assert eng.tiers.stats.plans["split"] == 1
+        # what was on the GPU and what was copied, not what was recomputed
+        assert out.cached_tokens == on_gpu + plan.load * 16
+        assert out.token_ids == tokens
+    finally:
+        eng.shutdown()

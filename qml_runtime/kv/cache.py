@@ -19,6 +19,7 @@ class KVCache:
         # (KVTiers copies on a side stream, layer by layer): a forward that asks for layer i waits
         # for event i on its own stream, so layer 0 computes while layer 1's pages still arrive
         self._restoring: list | None = None
+        self._restore_number = 0  # which restore (KVTiers' count) ``_restoring`` belongs to
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._restoring is not None:
@@ -30,11 +31,17 @@ class KVCache:
         """Pages are still being restored into the pool (``settle`` before reading it otherwise)."""
         return self._restoring is not None
 
-    def restore_events(self, events: list) -> None:
-        """Events, one per layer in layer order on one stream, of a restore in flight. A newer restore
-        replaces an older one's events: its layer-i event comes after all of the older copies."""
+    def restore_events(self, events: list, number: int = 0) -> None:
+        """Events, one per layer in layer order on one stream, of a restore in flight (``number``: its place
+        in the stream's order). A newer restore replaces an older one's events: its layer-i event comes
+        after all of the older copies. An older one handed in later (a split's copy, held until its
+        sequence reads those pages: ``KVTiers.apply_load``) is covered by the newer's events, or was
+        waited for when they were settled."""
         assert len(events) == self.data.shape[0], (len(events), self.data.shape[0])
+        if self._restoring is not None and number < self._restore_number:
+            return
         self._restoring = list(events)
+        self._restore_number = number
 
     def settle(self) -> None:
         """Order what the current stream runs next after every restore in flight (no host wait)."""
@@ -43,6 +50,7 @@ class KVCache:
             self._restoring = None
 
     def _wait(self, event) -> None:
+        """The current stream waits for ``event`` (the device waits, not the host)."""
         torch.cuda.current_stream(self.data.device).wait_event(event)
 
     @staticmethod

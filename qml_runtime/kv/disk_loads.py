@@ -1,4 +1,4 @@
-"""Streaming KV blocks in from disk for a sequence (``KVTiers.start_load`` / ``apply_load``).
+"""Streaming KV blocks in for a sequence (``KVTiers.start_load`` / ``apply_load``).
 
 A restore plan may stream the tail of a history in from disk while the head is recomputed
 (``RestorePlanner.plan``). ``start_load`` hands the disk blocks to loader threads, which read them
@@ -7,6 +7,13 @@ plain rows when there is no host tier; ``apply_load``, once the sequence reaches
 region, copies what landed into its pages (``KVTiers._upload``). A block that is missing or damaged
 when read is a miss: the sequence computes it on the page it would have filled.
 
+A tail that is all in host RAM (``Plan.prefetch``) is copied from the start, beside the recompute of
+the head: its layer events are held by the load, not handed to the pool (the head's steps do not read
+those pages and must not wait for them), until ``apply_load`` hands them over for the turn's step to
+wait on layer by layer. A sequence that leaves with a load unapplied (``drop_load``) has the compute
+stream wait for its copy before its pages go to anyone else, and its disk reads release their host slots
+once they end.
+
 ``DiskLoads`` is a part of ``KVTiers`` (a mixin: it uses the tiers' host tier, disk store, writer,
 loader pool, planner and stats), kept in its own file so that the tiers' module stays about one
 concern, the copies between the GPU pages and the tiers below.
@@ -14,12 +21,14 @@ concern, the copies between the GPU pages and the tiers below.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
+from qml_runtime.kv.host_tier import slot_runs
 from qml_runtime.kv.prefix import unpack
 
 # parallel block reads: the H200 host's disk gave encoded blocks back at 1.94 GB/s of KV with 4 threads,
@@ -40,6 +49,9 @@ class PendingLoad:
     dest: list  # per block: a host-tier slot (int) it is read into, a host row tensor, or None (a host block)
     futures: list[Future]  # each -> {block index: read ok} for its share of the disk blocks
     t0: float
+    prefetch: bool = False  # host blocks copied from the start (a split of a host-RAM history)
+    copied: int = 0  # of which found and copied (the leading ones)
+    held: tuple | None = None  # (layer events, restore number) of that copy, for the turn's step
 
     @property
     def future(self) -> Future:
@@ -52,14 +64,18 @@ class PendingLoad:
 
 class DiskLoads:
     def start_load(self, blocks: list[tuple[str, bytes, bytes]], pages: list[int], start: int,
-                   end: int) -> PendingLoad:
+                   end: int, prefetch: int | None = None) -> PendingLoad:
         """Stream blocks (tier, name, packed tokens) in: disk blocks are read by loader threads into host-tier
         slots held for them (pinned memory, and the blocks stay in host RAM afterwards), or into
         plain host rows when there is no host tier; host blocks are copied from their slots when the
-        load is applied."""
+        load is applied. ``prefetch``: the blocks are all in host RAM, ``prefetch`` blocks into the run
+        ``locate_run`` found last; they are copied now (``Plan.prefetch``)."""
         tiers = [t for t, _, _ in blocks]
         names = [n for _, n, _ in blocks]
         tokens = [t for _, _, t in blocks]
+        self._reap_dropped()
+        if prefetch is not None:
+            return self._prefetch(names, tokens, pages, start, end, prefetch)
         dest: list = [None] * len(blocks)
         reads = []
         for i, tier in enumerate(tiers):
@@ -108,9 +124,59 @@ class DiskLoads:
             self.planner.observe("disk", read * self.block_bytes * parts, time.perf_counter() - t0)
         return ok
 
+    def _prefetch(self, names: list[bytes], tokens: list[bytes], pages: list[int], start: int, end: int,
+                  offset: int) -> PendingLoad:
+        slots = self._host_slots(names, b"".join(tokens), offset)
+        held = None
+        if slots:
+            held = self._upload(pages[:len(slots)], [(self.host.slots, i, s, n) for i, s, n in slot_runs(slots)],
+                                hold=True)
+        done: Future = Future()
+        done.set_result({})
+        return PendingLoad(start, end, pages, names, tokens, ["host"] * len(names), [None] * len(names), [done],
+                           time.perf_counter(), prefetch=True, copied=len(slots), held=held)
+
+    def copying(self, loads: list[PendingLoad]) -> bool:
+        """A held copy of one of ``loads`` is still running (a step now runs beside it)."""
+        return any(load.held is not None and not load.held[0][-1].query() for load in loads)
+
+    def drop_load(self, load: PendingLoad) -> None:
+        """Its sequence leaves before the load is applied (preempted, finished, aborted): its pages may be
+        taken at once, so the compute stream waits for a held copy into them (no host wait), and held host
+        slots are released once their reads end (``_reap_dropped``)."""
+        if load.held is not None:
+            self.kv._wait(load.held[0][-1])
+        if any(isinstance(d, int) for d in load.dest):
+            self._dropped.append(load)
+        self._reap_dropped()
+
+    def _reap_dropped(self) -> None:
+        still = []
+        for load in self._dropped:
+            if not load.done():
+                still.append(load)
+                continue
+            ok: dict[int, bool] = {}
+            for f in load.futures:
+                with contextlib.suppress(Exception):
+                    ok.update(f.result())
+            for i, dest in enumerate(load.dest):
+                if isinstance(dest, int):
+                    self.host.release(dest)
+                    if not ok.get(i, False):
+                        self.host.discard(load.names[i])
+        self._dropped = still
+
     def apply_load(self, load: PendingLoad) -> int:
         """Copy a finished load's blocks into its pages; returns how many leading blocks landed.
-        Blocks read into host slots stay there (released for eviction); failed reads are forgotten."""
+        Blocks read into host slots stay there (released for eviction); failed reads are forgotten.
+        A prefetched load was copied already: its held events go to the pool."""
+        if load.prefetch:
+            if load.held is not None:
+                self.kv.restore_events(*load.held)
+            self.stats.restored_host += load.copied
+            self.stats.restore_seconds += time.perf_counter() - load.t0
+            return load.copied
         ok: dict[int, bool] = {}
         for f in load.futures:
             ok.update(f.result())

@@ -1,10 +1,12 @@
 """The restore plan: for the history blocks a request needs that are not on GPU pages, copy them
-from host RAM, recompute them, or recompute the head while the tail streams in from disk,
-whichever gives the first token soonest, from measured rates (``RestorePlanner``)."""
+from host RAM, recompute them, or recompute the head while the tail streams in (from disk, or from
+host RAM when ``host_split`` is on), whichever gives the first token soonest, from measured rates
+(``RestorePlanner``)."""
 
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +22,9 @@ class Plan:
     load: int = 0
     seconds: float = 0.0  # the planner's estimate for the history, against...
     recompute_seconds: float = 0.0  # ...computing all of it
+    # the streamed blocks are all in host RAM and are copied from admission on, beside the recompute of
+    # the head (a split of a host-RAM history); otherwise they are copied up when the head is done
+    prefetch: bool = False
 
     @property
     def kind(self) -> str:
@@ -49,6 +54,13 @@ class RestorePlanner:
     # through the last two points. ``prefill_scale`` follows what running prefills take against it.
     prefill_curve: list = field(default_factory=list)
     prefill_scale: float = 1.0
+    # a host-RAM history may be split too: its head recomputed while the tail is copied in beside it, when
+    # that ends sooner than copying all of it (the copy is the turn's whole time: ~70 ms for 27k tokens of
+    # Llama-3.1-8B, whose turn computes in ~12 ms of it). Off unless QML_HOST_SPLIT=1: not yet measured on
+    # a GPU (the copy's programs share the SMs with the recompute). ``beside_scale``: how much slower a
+    # prefill runs beside such a copy than the curve says (learnt from those steps; 1.5 until then).
+    host_split: bool = field(default_factory=lambda: os.environ.get("QML_HOST_SPLIT") == "1")
+    beside_scale: float = 1.5
 
     # the rates that are measurements (here or by an earlier run), not the guesses above: a first
     # measurement replaces a guess, later ones are averaged in
@@ -64,21 +76,27 @@ class RestorePlanner:
         setattr(self, attr, (1 - alpha) * getattr(self, attr) + alpha * amount / seconds)
         self.measured.add(attr)
 
-    def observe_prefill(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
+    def observe_prefill(self, chunks: Sequence[tuple[int, int]], seconds: float, beside: bool = False) -> None:
         """A step that computed ``chunks`` [(cached context, new tokens)] took ``seconds``. Only
         chunks over no more cached context than their own length count: what recomputing a
         history costs (a short chunk over a long history runs another kernel, split-KV, and its
-        step often also carries the upload of that history, restored just before)."""
+        step often also carries the upload of that history, restored just before). ``beside``: the
+        step ran beside a host-RAM copy (a split's head): it teaches ``beside_scale`` instead."""
         if not all(start <= n for start, n in chunks):
             return
         if not self.prefill_curve:
-            self.observe("prefill", sum(n for _, n in chunks), seconds)
+            if not beside:
+                self.observe("prefill", sum(n for _, n in chunks), seconds)
             return
         predicted = sum(self.fresh_seconds(start + n) - self.fresh_seconds(start) for start, n in chunks)
-        if predicted > 0 and seconds > 0:
+        if predicted > 0 and seconds > 0 and self.alpha > 0:
             # bounded: one odd step (a stall, a copy queued ahead of it) must not swing the plans far
-            ratio = min(max(seconds / predicted, 0.5), 4.0)
-            self.prefill_scale = (1 - self.alpha) * self.prefill_scale + self.alpha * ratio
+            if beside:  # against the plain prefill's time, as the plan uses it
+                ratio = min(max(seconds / (predicted * self.prefill_scale), 1.0), 4.0)
+                self.beside_scale = (1 - self.alpha) * self.beside_scale + self.alpha * ratio
+            else:
+                ratio = min(max(seconds / predicted, 0.5), 4.0)
+                self.prefill_scale = (1 - self.alpha) * self.prefill_scale + self.alpha * ratio
 
     def fresh_seconds(self, tokens: int) -> float:
         """The measured curve's time to prefill ``tokens`` from nothing (unscaled)."""
@@ -117,9 +135,11 @@ class RestorePlanner:
         rate = self.host_bytes_per_s if tier == "host" else self.disk_bytes_per_s
         return block_bytes / rate < self.prefill_seconds(start, block_tokens)
 
-    def plan(self, tiers: Sequence[str], block_bytes: int, block_tokens: int, start: int = 0) -> Plan:
+    def plan(self, tiers: Sequence[str], block_bytes: int, block_tokens: int, start: int = 0,
+             after: int = 0) -> Plan:
         """``tiers``: where each block after the GPU-cached ones lives ("host" or "disk"), in order;
-        ``start``: the tokens cached on the GPU before them."""
+        ``start``: the tokens cached on the GPU before them; ``after``: the tokens the request computes
+        after them (its new turn: computed beside a copy from host RAM, after a recompute)."""
         bt = block_tokens
         host_block = block_bytes / self.host_bytes_per_s
         disk_block = block_bytes / self.disk_bytes_per_s
@@ -137,7 +157,8 @@ class RestorePlanner:
         rest = tiers[h:]
         m = len(rest)
         if m == 0:
-            return Plan(host_now=h, seconds=h * host_block, recompute_seconds=everything)
+            plan = Plan(host_now=h, seconds=h * host_block, recompute_seconds=everything)
+            return self._host_split(plan, n, host_block, bt, start, after) if self.host_split and after else plan
         # k blocks recomputed while the other m - k are read (disk reads dominate; host ones are
         # nearly free), then copied up: minimise max(compute(k), read(m - k)) + upload(m - k)
         read = [disk_block if t == "disk" else 0.0 for t in rest]
@@ -152,3 +173,34 @@ class RestorePlanner:
                 best_k, best = k, t
         return Plan(host_now=h, recompute=best_k, load=m - best_k, seconds=h * host_block + best,
                     recompute_seconds=everything)
+
+    def _host_split(self, whole: Plan, n: int, host_block: float, bt: int, start: int, after: int) -> Plan:
+        """``whole`` copies all ``n`` blocks from host RAM, and the turn computes beside the copy (layer by
+        layer), so the copy is the time. A split recomputes the first k blocks while the other n - k are
+        copied in, then computes the turn: max(head(k) + turn, copy(n - k)), least where the two meet
+        (a bisection: the first grows with k, the second shrinks). The split's ``seconds`` are the
+        history's part of that time (the turn's own taken out), as ``whole``'s are."""
+        turn = max(self.prefill_seconds(start + n * bt, after), 0.0)  # (a curve measured out of order: < 0)
+
+        def head(k: int) -> float:
+            return self.beside_scale * self.prefill_seconds(start, k * bt)
+
+        lo, hi = 1, n - 1  # the first k whose head and turn outlast the copy of the rest
+        if hi < lo:
+            return whole
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if head(mid) + turn >= (n - mid) * host_block:
+                hi = mid
+            else:
+                lo = mid + 1
+        best_k, best = 0, max(whole.seconds, turn)
+        for k in (lo - 1, lo):
+            if 1 <= k < n:
+                t = max(head(k) + turn, (n - k) * host_block)
+                if t < best - 1e-12:
+                    best_k, best = k, t
+        if not best_k:
+            return whole
+        return Plan(host_now=0, recompute=best_k, load=n - best_k, seconds=max(best - turn, head(best_k)),
+                    recompute_seconds=whole.recompute_seconds, prefetch=True)

@@ -47,14 +47,13 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.disk_loads import LOADER_THREADS, DiskLoads
 from qml_runtime.kv.disk_store import DiskStore
 from qml_runtime.kv.disk_writer import DiskWriter
-from qml_runtime.kv.host_tier import HostTier
+from qml_runtime.kv.host_tier import HostTier, slot_runs
 from qml_runtime.kv.host_writes import HostWrites
 from qml_runtime.kv.planner import Plan, RestorePlanner
 from qml_runtime.kv.planner_rates import load_rates, needs_probe, probe_disk, save_rates
@@ -77,6 +76,9 @@ SAVE_PROGRAMS = 16
 # engines' 2D copies of the same 32 KiB runs 70.7-71.1, one flat copy 67 ms: the link, not the kernel, is the
 # limit); benchmarks/results/kv-upload-dma-h200-2026-12-03.md
 RESTORE_PROGRAMS = 64
+# the copy of a split's tail runs beside the head's prefill, which wants every SM: its programs can be fewer
+# (32 moved the history at 49.5 GB/s against 50.5 with 64, above). Not yet measured beside a prefill.
+SPLIT_RESTORE_PROGRAMS = int(os.environ.get("QML_SPLIT_COPY_PROGRAMS", RESTORE_PROGRAMS))
 # bytes waiting for the disk writer (``pending_write_bytes``); past it the disk is behind: a persist is not written
 # through, and a host entry evicted before its write, or a row the writer borrowed, is given up rather than copied
 MAX_PENDING_WRITE_BYTES = 4 << 30
@@ -108,7 +110,9 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         # at high priority: the turn's prefill kernels fill every SM, and each layer's copy programs
         # should get the next free ones, as the prefill waits for them
         self._restore_stream = torch.cuda.Stream(kv.data.device, priority=-1) if self._cuda else None
-        self._restored = None  # the last restore's final event: host slots are read until then
+        self._restored = None  # the last restore's final event: the link is busy until then (``pump``)
+        # (host slots read, final event) of restores that may still run: a slot is reused only after them
+        self._reads: list[tuple[set, object]] = []
         self.layered = True  # host-tier restores by layer, read in place (False: through staging)
         # the device can read the host tier's rows in place (pinned, on a GPU): _upload_layers
         self._in_place = self._cuda and host is not None and host.capacity > 0 and host.slots.is_pinned()
@@ -144,9 +148,11 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         self._slot_events: dict[int, object] = {}
         self._timing: list = []  # (start, end events, bytes) of uploads, observed once done
         self._writer = self._loader = None
-        # the last host run ``locate_run`` found: (first name, its packed tokens, slots, host.removals then), for
-        # ``restore_host``
-        self._located: tuple[bytes, bytes, list[int], int] | None = None
+        # the last host run ``locate_run`` found: (its names, their packed tokens, slots, host.removals then), for
+        # ``restore_host`` and a split's copy (``start_load``)
+        self._located: tuple[list[bytes], bytes, list[int], int] | None = None
+        self._uploads = 0  # restores launched (layered): the later one's events cover the earlier's copies
+        self._dropped: list = []  # loads whose sequence left while their disk reads ran (``drop_load``)
         if disk is not None:
             load_rates(self.planner, disk.dir)
             if needs_probe(self.planner, disk):
@@ -374,8 +380,12 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         event = self._slot_events.pop(slot, None)
         if event is not None:
             event.synchronize()
-        if self._restored is not None and not self._restored.query():
-            self._restored.synchronize()
+        # only a restore reading this slot: a split's tail copies for ~60 ms beside the head's prefill, and the
+        # engine thread keeps finished requests' pages meanwhile (a full host tier evicts to make room)
+        self._reads = [(slots, event) for slots, event in self._reads if not event.query()]
+        for slots, event in self._reads:
+            if slot in slots:
+                event.synchronize()
 
     def flush_spills(self) -> None:
         """Copy the pages spilled since the last call down to their host slots: gathered on the
@@ -416,7 +426,7 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         """Gathered spills to their host slots on the side stream, after the compute stream's work
         and any restore in flight (``_side``)."""
         for staging, batch in gathered:
-            runs = _runs([s for _, s in batch])
+            runs = slot_runs([s for _, s in batch])
             with self._side():
                 for i, s, n in runs:
                     self.host.slots[s:s + n].copy_(staging[i:i + n], non_blocking=self._cuda)
@@ -573,7 +583,7 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         B = len(packed) // len(names)
         slots = self.host.find_run(names, packed) if self.host is not None else []
         n = len(slots)
-        self._located = (names[0], bytes(packed[:n * B]), slots, self.host.removals) if n else None
+        self._located = (names, bytes(packed[:n * B]), slots, self.host.removals) if n else None
         where = ["host"] * n
         for i in range(n, len(names)):
             tier = self.locate(names[i], packed[i * B:(i + 1) * B])
@@ -582,8 +592,8 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
             where.append(tier)
         return where
 
-    def plan(self, tiers: Sequence[str], block_tokens: int, start: int = 0) -> Plan:
-        plan = self.planner.plan(tiers, self.block_bytes, block_tokens, start)
+    def plan(self, tiers: Sequence[str], block_tokens: int, start: int = 0, after: int = 0) -> Plan:
+        plan = self.planner.plan(tiers, self.block_bytes, block_tokens, start, after)
         self.stats.plans[plan.kind] += 1
         self.stats.skipped_disk += sum(1 for t in tiers[plan.host_now:plan.host_now + plan.recompute] if t == "disk")
         if tiers:
@@ -607,31 +617,41 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         are not copied). The slots ``locate_run`` found for the same blocks are taken as they are when no
         host entry has left since (a second lookup of a 27k-token history's ~1,700 blocks took 0.3-0.6 ms
         of the H200 engine thread before the copies could start); else the blocks are looked up again."""
-        located, self._located = self._located, None
-        if located is not None and names and located[0] == names[0] and len(names) <= len(located[2]) \
-                and located[3] == self.host.removals and located[1][:len(packed)] == packed:
-            slots = located[2][:len(names)]
-        else:
-            slots = self.host.find_run(names, packed)
+        slots = self._host_slots(names, packed)
         if slots:
-            self._upload(pages[:len(slots)], [(self.host.slots, i, s, n) for i, s, n in _runs(slots)])
+            self._upload(pages[:len(slots)], [(self.host.slots, i, s, n) for i, s, n in slot_runs(slots)])
             self.stats.restored_host += len(slots)
         return len(slots)
 
-    def _upload(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]]) -> None:
+    def _host_slots(self, names: list[bytes], packed: bytes | bytearray, offset: int = 0) -> list[int]:
+        """The host slots of the run of blocks ``names`` (tokens ``packed``), up to the first missing one:
+        those ``locate_run`` found moments before, ``offset`` blocks into its run, when no host entry has
+        left since; else looked up again."""
+        located, self._located = self._located, None
+        if located is not None and names and offset + len(names) <= len(located[2]) \
+                and located[0][offset] == names[0] and located[3] == self.host.removals:
+            B = len(packed) // len(names)
+            if located[1][offset * B:offset * B + len(packed)] == packed:
+                return located[2][offset:offset + len(names)]
+        return self.host.find_run(names, packed)
+
+    def _upload(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]],
+                hold: bool = False) -> tuple[list, int] | None:
         """Copy host rows into GPU pages: ``sources`` are (host tensor of rows, destination row, source
         row, row count); destination row i goes to ``pages[i]``. Rows of the pinned host tier go
         layer by layer on a side stream (``_upload_layers``); others through a GPU staging buffer
-        on the compute stream."""
+        on the compute stream. ``hold``: a layered copy's events are returned (with the restore's number)
+        rather than handed to the pool, for a later step to wait on (``apply_load``); steps before it
+        do not read these pages."""
         self._fill_first(sources)
         if self.layered and self._in_place and all(src is self.host.slots for src, _, _, _ in sources):
             # a page spilled to make room is gathered before the restore overwrites it, but copied down
             # after it: both ways at once, the restore ran at ~half speed (kv_upload_h200: 3.5 GB up
             # beside 3.5 GB down took 104 ms against 70 alone), and the turn waits only on the restore
             gathered = self._gather_spills()  # (with a host tier nothing goes to disk directly)
-            self._upload_layers(pages, sources)
+            events = self._upload_layers(pages, sources, hold)
             self._copy_down(gathered)
-            return
+            return (events, self._uploads) if hold else None
         self.flush_spills()  # a page spilled earlier must be copied out before it is overwritten
         dev = self.kv.data.device
         if self._cuda:
@@ -694,7 +714,8 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
             page_save(table, zero, pool, zero, 0, 2)
         torch.cuda.synchronize(self.kv.data.device)
 
-    def _upload_layers(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]]) -> None:
+    def _upload_layers(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]],
+                       hold: bool = False) -> list:
         """Host-tier rows into GPU pages, read in place from pinned memory (``qml_kernels.page_copy``,
         ~51 GB/s on the H200, as fast as one large pinned copy) one layer per launch on the restore
         stream, with an event per layer handed to the pool (``KVCache.restore_events``): the
@@ -721,15 +742,19 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
             start.record()
             index = index.to(dev, non_blocking=True)
             pages_d, slots_d = index[0, :len(pages)], index[1, :len(pages)]
-            config = PageCopyConfig(num_programs=RESTORE_PROGRAMS)
+            config = PageCopyConfig(num_programs=SPLIT_RESTORE_PROGRAMS if hold else RESTORE_PROGRAMS)
             for layer in range(self.kv.data.shape[0]):
                 page_copy(pool, pages_d, table, slots_d, 2 * layer, 2 * layer + 2, config=config)
                 event = torch.cuda.Event(enable_timing=layer == self.kv.data.shape[0] - 1)
                 event.record()
                 events.append(event)
-        self.kv.restore_events(events)
-        self._restored = events[-1]  # host slots read until then: _settle_slot waits for it
+        self._uploads += 1
+        if not hold:
+            self.kv.restore_events(events, self._uploads)
+        self._restored = events[-1]
+        self._reads.append(({s for _, _, s0, n in sources for s in range(s0, s0 + n)}, events[-1]))
         self._timing.append((start, events[-1], len(pages) * self.block_bytes))
+        return events
 
     def _observe_uploads(self) -> None:
         """Fold finished uploads' GPU times into the host rate, without waiting for any."""
@@ -747,14 +772,3 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
 
 def _nothing() -> None:
     pass
-
-
-def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """(position, first slot, length) of the runs of consecutive slots: one copy per run. (Where the
-    slots break, found with numpy: 1,700 slots in one run took 0.2 ms one by one, 0.03 so.)"""
-    if not slots:
-        return []
-    starts = (np.flatnonzero(np.diff(np.array(slots)) != 1) + 1).tolist()
-    bounds = [0, *starts, len(slots)]
-    return [(a, slots[a], b - a) for a, b in zip(bounds, bounds[1:])]
-
