@@ -3,7 +3,8 @@
 Pages are filled with blocks whose every element is the block's id. In any order, requests end and keep
 their pages (``persist``, copies deferred); the pump copies them down between steps or beside one
 (``pump``, by ``page_save`` or by the spill path); pages are evicted for new blocks (``spill``, then
-``flush_spills``); and host blocks are restored into pages (``restore_host``). The host tier is kept
+``flush_spills``); and host blocks are restored into pages (``restore_host``, or as a split's tail:
+``start_load`` with ``prefetch``, applied or dropped). The host tier is kept
 smaller than the pool, so its LRU evicts too. Whatever the order:
 - a host slot whose copy is not still waiting holds exactly its block's bytes;
 - a restore gives back exactly the block asked for.
@@ -83,6 +84,35 @@ class TiersMachine(RuleBasedStateMachine):
         self.kv.settle()
         got = self.kv.data[:, :, page]
         assert bool((got == float(block)).all()), f"page {page} restored for block {block} holds {got.unique()}"
+        self.page_block[page] = block
+
+    @rule(picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=3), page=st.integers(0, PAGES - 1),
+          head=st.integers(0, 2), drop=st.booleans())
+    def split_restore(self, picks, page, head, drop):
+        """A split's tail: a run of host blocks located, the first ``head`` of them left to be recomputed,
+        the rest copied at once into one page (``start_load(prefetch=...)``), then applied or dropped."""
+        self._evict(page)
+        held = list(self.tiers.host._lru)
+        if not held:
+            return
+        names = [held[p % len(held)] for p in picks]
+        blocks = [int(n.split(b"-")[1]) for n in names]
+        where = self.tiers.locate_run(names, b"".join(_tokens(b) for b in blocks))
+        head = min(head, len(where) - 1)
+        if len(where) - head < 1:
+            return
+        name, block = names[head], blocks[head]  # the tail's first block, into ``page``
+        load = self.tiers.start_load([("host", name, _tokens(block))], [page], head * BLOCK, (head + 1) * BLOCK,
+                                     prefetch=head)
+        assert load.copied == 1
+        if drop:
+            self.tiers.drop_load(load)
+            self.page_block.pop(page, None)  # (its bytes are the block's, but nobody names the page)
+            return
+        assert self.tiers.apply_load(load) == 1
+        self.kv.settle()
+        got = self.kv.data[:, :, page]
+        assert bool((got == float(block)).all()), f"page {page} copied for block {block} holds {got.unique()}"
         self.page_block[page] = block
 
     @invariant()
