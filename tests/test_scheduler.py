@@ -121,3 +121,30 @@ def test_decode_rows_do_not_cut_a_prompt_that_fits_the_budget_into_two_steps():
     run_step(batch)
     batch = sched.schedule()
     assert batch.num_tokens == [1, 1, 38]
+
+
+def test_a_sequence_leaving_with_blocks_still_loading_hands_its_load_to_the_tiers_first():
+    """Its pages may receive a copy still in flight (a split's tail): the tiers order whoever takes them next
+    after it (``KVTiers.drop_load``) before the pages are released."""
+    events = []
+
+    class Tiers:
+        def locate_run(self, names, packed):
+            return []  # nothing below the GPU
+
+        def drop_load(self, load):
+            events.append(("drop", load, blocks.num_free))
+
+    blocks = BlockManager(4, 16)
+    sched = Scheduler(SchedulerConfig(max_batched_tokens=1000, max_num_seqs=8), blocks, tiers=Tiers())
+    a, b = seq("a", 32), seq("b", 31)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched.schedule())
+    b.pending_load = "b's load"
+    sched.schedule()  # a needs a page: b is preempted
+    assert events == [("drop", "b's load", 0)] and b.pending_load is None  # handed over before its pages were freed
+    a.pending_load = "a's load"
+    free = blocks.num_free
+    sched.finish(a, "abort")
+    assert events[-1] == ("drop", "a's load", free) and a.pending_load is None and blocks.num_free > free
