@@ -41,7 +41,7 @@ from qml_runtime.kv.block_manager import BlockManager
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.disk_store import ENCODABLE_SIZES, DiskStore
 from qml_runtime.kv.host_tier import HostTier
-from qml_runtime.kv.prefix import pack
+from qml_runtime.kv.prefix import model_fingerprint, pack
 from qml_runtime.kv.tiers import KVTiers
 from qml_runtime.runner import Launched, ModelRunner
 from qml_runtime.sampling_params import InvalidParameter, RequestOutput, SamplingParams, TokenLogprob
@@ -98,7 +98,10 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
                  freeze_heap: bool | None = None):
         self.model, self.tokenizer, self.model_config = model, tokenizer, model_config
         self.model_id, self.device, self.dtype = model_id, device, dtype
-        self.kv = KVCache(model_config, cache.num_blocks, cache.block_size, device, dtype)
+        # QML_KV_CODEC=1: pages in host RAM and on disk in qml_kernels.kv_codec's lossless form (bf16; not yet
+        # measured on a GPU, so off by default)
+        self.kv = KVCache(model_config, cache.num_blocks, cache.block_size, device, dtype,
+                          codec=os.environ.get("QML_KV_CODEC") == "1")
         capacity = cache.num_blocks * cache.block_size
         # one request must fit in the pool, or a full-context request could never be admitted
         self.context_length = min(context_length or model_config.context_length, model_config.context_length, capacity)
@@ -148,11 +151,15 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
     def _make_tiers(self, cache: CacheConfig, fingerprint: bytes) -> KVTiers | None:
         if not cache.enable_prefix_caching or (cache.host_bytes == 0 and cache.disk_dir is None):
             return None
-        host = HostTier(self.kv.block_bytes, cache.host_bytes, pin=self.device.type == "cuda") \
+        host = HostTier(self.kv.row_bytes, cache.host_bytes, pin=self.device.type == "cuda") \
             if cache.host_bytes else None
         # blocks written encoded (their values' high halves compressed: ~1.5x fewer bytes to read back after
-        # a restart); QML_KV_DISK_ENCODE=0 writes them raw, for A/B runs
-        element_size = self.kv.data.element_size() if os.environ.get("QML_KV_DISK_ENCODE", "1") != "0" else 0
+        # a restart); QML_KV_DISK_ENCODE=0 writes them raw, for A/B runs. Rows in the KV codec's form are
+        # written as they are, under their own fingerprint (a store of raw rows reads as misses, and back)
+        encode = os.environ.get("QML_KV_DISK_ENCODE", "1") != "0" and not self.kv.codec
+        element_size = self.kv.data.element_size() if encode else 0
+        if self.kv.codec:
+            fingerprint = model_fingerprint(fingerprint, "qml_kernels.kv_codec rows, v1")
         disk = DiskStore(cache.disk_dir, fingerprint, cache.disk_bytes,
                          element_size=element_size if element_size in ENCODABLE_SIZES else 0) \
             if cache.disk_dir else None

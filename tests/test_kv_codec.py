@@ -220,3 +220,87 @@ def test_a_group_spanning_15_exponents_is_compressed_and_16_raw():
         torch.cuda.synchronize()
     assert torch.equal(rows.cpu(), want)
     assert torch.equal(_bits(back), _bits(pool))
+
+
+# --- the pool's rows in the codec's form (``KVCache(codec=True)``) ------------------------------------------
+
+def _pool(codec: bool, dtype=torch.bfloat16):
+    from qml_runtime.kv.cache import KVCache
+    from qml_runtime.presets import PRESETS
+
+    kv = KVCache(PRESETS["tiny-llama"].config, 9, 16, DEVICE, dtype, codec=codec)  # 16-token pages: W = 512
+    kv.data.copy_(kv_values(tuple(kv.data.shape), torch.Generator().manual_seed(9)).to(DEVICE))
+    return kv
+
+
+def test_the_pools_rows_take_the_codecs_form_only_where_it_applies():
+    kv, raw, fp32 = _pool(True), _pool(False), _pool(True, torch.float32)
+    assert kv.codec and not raw.codec and not fp32.codec
+    C, W = 2 * kv.data.shape[0], kv.data[0, 0, 0].numel()
+    assert kv.row_bytes == C * encoded_chunk_bytes(W) and raw.row_bytes == raw.block_bytes == kv.block_bytes
+    pool, table = kv.chunk_views(torch.zeros(3, kv.row_bytes, dtype=torch.uint8))
+    assert pool.shape == (C, 9, W) and table.shape == (3, C, encoded_chunk_bytes(W)) and table.dtype == torch.uint8
+
+
+def test_gathered_rows_scatter_back_into_other_pages_and_read_page_is_their_row():
+    kv = _pool(True)
+    before = kv.data.clone()
+    pages = torch.tensor([7, 2, 5, 0], device=DEVICE)
+    rows = kv.gather_pages(pages)  # encoded, several at once
+    assert rows.shape == (4, kv.row_bytes)
+    one = torch.zeros(kv.row_bytes, dtype=torch.uint8)
+    kv.read_page(2, one)
+    chunk = encoded_chunk_bytes(kv.data[0, 0, 0].numel())
+    flags = rows[1].view(-1, chunk)[:, :1].cpu()
+    assert torch.equal(flags, one.view(-1, chunk)[:, :1])  # the same forms (the unused bytes may differ)
+    kv.scatter_pages(torch.tensor([1, 3, 4, 6], device=DEVICE), rows)
+    kv.write_page(8, one)
+    for src, dst in ((7, 1), (2, 3), (5, 4), (0, 6), (2, 8)):
+        assert torch.equal(_bits(kv.data[:, :, dst]), _bits(before[:, :, src])), (src, dst)
+
+
+# --- in the engine (CPU, tiny-llama in bf16, QML_KV_CODEC=1) -------------------------------------------------
+
+def _engine(monkeypatch, disk_dir, codec: bool, caching: bool = True):
+    from qml_runtime.loader import load_engine
+
+    monkeypatch.setenv("QML_KV_CODEC", "1" if codec else "0")
+    # ~13 pages of GPU KV: a second conversation pushes the first into host RAM
+    eng = load_engine("preset:tiny-llama", device="cpu", dtype="bfloat16", random_weights=True,
+                      kv_cache_gib=13 * 16 * 6 * 2 * 2 * 16 / 2**30, kv_host_gib=0.01, kv_disk_dir=str(disk_dir),
+                      kv_disk_gib=0.05, enable_prefix_caching=caching, cuda_graphs=False, max_model_len=192)
+    eng.start()
+    return eng
+
+
+def test_a_history_restored_through_the_codec_from_host_ram_and_from_disk_gives_the_same_tokens(monkeypatch,
+                                                                                                  tmp_path):
+    from qml_runtime.sampling_params import SamplingParams
+
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    first = list(range(20, 140))  # 120 ids: 7 full pages
+    other = list(range(380, 500))[::-1]  # (the vocabulary is 512)
+    plain = _engine(monkeypatch, tmp_path / "plain", codec=False, caching=False)
+    try:
+        answer = plain.generate_sync(first, greedy).token_ids
+        turn = first + answer + [5, 6, 7, 8]
+        want = plain.generate_sync(turn, greedy).token_ids
+    finally:
+        plain.shutdown()
+    eng = _engine(monkeypatch, tmp_path / "store", codec=True)
+    try:
+        assert eng.kv.codec and eng.tiers.host.block_bytes == eng.kv.row_bytes != eng.kv.block_bytes
+        assert eng.generate_sync(first, greedy).token_ids == answer
+        eng.generate_sync(other, greedy)  # pushes the first conversation's pages into host RAM
+        got = eng.generate_sync(turn, greedy)
+        assert eng.tiers.stats.restored_host > 0 and got.cached_tokens >= 7 * 16
+        assert got.token_ids == want
+    finally:
+        eng.shutdown()
+    restarted = _engine(monkeypatch, tmp_path / "store", codec=True)  # the same store: the rows on disk
+    try:
+        got = restarted.generate_sync(turn, greedy)
+        assert restarted.tiers.stats.restored_disk > 0 and got.cached_tokens > 0
+        assert got.token_ids == want
+    finally:
+        restarted.shutdown()

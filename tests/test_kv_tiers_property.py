@@ -17,6 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from qml_kernels.kv_codec import decode_chunks_ref, encoded_chunk_bytes
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.host_tier import HostTier
 from qml_runtime.kv.prefix import as_packed
@@ -30,17 +31,20 @@ def _name(block: int) -> bytes:
     return b"block-%d" % block
 
 
-def _tokens(block: int) -> bytes:
-    return bytes(as_packed((block,) * BLOCK))
+def _tokens(block: int, size: int = BLOCK) -> bytes:
+    return bytes(as_packed((block,) * size))
 
 
 class TiersMachine(RuleBasedStateMachine):
+    DTYPE, CODEC, SIZE = torch.float32, False, BLOCK
+
     def __init__(self):
         super().__init__()
         cfg = PRESETS["tiny-llama"].config
-        self.kv = KVCache(cfg, PAGES, BLOCK, "cpu", torch.float32)
+        self.kv = KVCache(cfg, PAGES, self.SIZE, "cpu", self.DTYPE, codec=self.CODEC)
+        assert self.kv.codec == self.CODEC
         self.kv.data.zero_()
-        self.tiers = KVTiers(self.kv, HostTier(self.kv.block_bytes, HOST_SLOTS * self.kv.block_bytes, pin=False),
+        self.tiers = KVTiers(self.kv, HostTier(self.kv.row_bytes, HOST_SLOTS * self.kv.row_bytes, pin=False),
                              None)
         self.tiers.defer_persist = True  # the GPU's defaults (CPU turns them off)
         self.tiers.pump_pages = 2
@@ -51,7 +55,7 @@ class TiersMachine(RuleBasedStateMachine):
         """The engine's eviction of a cached page about to be reused: spill, then copy out before reuse."""
         block = self.page_block.pop(page, None)
         if block is not None:
-            self.tiers.spill(page, _name(block), _tokens(block))
+            self.tiers.spill(page, _name(block), _tokens(block, self.SIZE))
         self.tiers.flush_spills()
 
     @rule(page=st.integers(0, PAGES - 1))
@@ -65,7 +69,7 @@ class TiersMachine(RuleBasedStateMachine):
     def request_ends(self, page):
         block = self.page_block.get(page)
         if block is not None:
-            self.tiers.persist([(page, _name(block), _tokens(block), None)])
+            self.tiers.persist([(page, _name(block), _tokens(block, self.SIZE), None)])
 
     @rule(pages=st.none() | st.integers(1, 4), beside=st.booleans(), in_place=st.booleans())
     def pump(self, pages, beside, in_place):
@@ -80,7 +84,7 @@ class TiersMachine(RuleBasedStateMachine):
             return
         name = held[pick % len(held)]
         block = int(name.split(b"-")[1])
-        assert self.tiers.restore_host([name], _tokens(block), [page]) == 1
+        assert self.tiers.restore_host([name], _tokens(block, self.SIZE), [page]) == 1
         self.kv.settle()
         got = self.kv.data[:, :, page]
         assert bool((got == float(block)).all()), f"page {page} restored for block {block} holds {got.unique()}"
@@ -97,13 +101,13 @@ class TiersMachine(RuleBasedStateMachine):
             return
         names = [held[p % len(held)] for p in picks]
         blocks = [int(n.split(b"-")[1]) for n in names]
-        where = self.tiers.locate_run(names, b"".join(_tokens(b) for b in blocks))
+        where = self.tiers.locate_run(names, b"".join(_tokens(b, self.SIZE) for b in blocks))
         head = min(head, len(where) - 1)
         if len(where) - head < 1:
             return
         name, block = names[head], blocks[head]  # the tail's first block, into ``page``
-        load = self.tiers.start_load([("host", name, _tokens(block))], [page], head * BLOCK, (head + 1) * BLOCK,
-                                     prefetch=head)
+        load = self.tiers.start_load([("host", name, _tokens(block, self.SIZE))], [page], head * self.SIZE,
+                                     (head + 1) * self.SIZE, prefetch=head)
         assert load.copied == 1
         if drop:
             self.tiers.drop_load(load)
@@ -122,9 +126,21 @@ class TiersMachine(RuleBasedStateMachine):
             if slot in waiting:
                 continue
             block = int(name.split(b"-")[1])
-            row = self.tiers.host.slots[slot].view(torch.float32)
+            row = self.tiers.host.slots[slot]
+            if self.kv.codec:  # the row as the codec keeps it: its values back
+                row = decode_chunks_ref(row.view(-1, encoded_chunk_bytes(self.kv.data[0, 0, 0].numel())),
+                                        self.kv.data[0, 0, 0].numel())
+            row = row.view(self.DTYPE)
             assert bool((row == float(block)).all()), f"host slot {slot} of block {block} holds {row.unique()}"
+
+
+class CodecTiersMachine(TiersMachine):
+    """The same in bf16 with host rows in ``qml_kernels.kv_codec``'s form (blocks of one value: compressed)."""
+
+    DTYPE, CODEC, SIZE = torch.bfloat16, True, 16  # (16-token pages of tiny-llama: one 512-value segment)
 
 
 TiersMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_tiers_bookkeeping = TiersMachine.TestCase
+CodecTiersMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+test_tiers_bookkeeping_with_the_codec = CodecTiersMachine.TestCase

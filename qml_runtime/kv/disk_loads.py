@@ -91,7 +91,7 @@ class DiskLoads:
                 self.host.hold(slot)
                 dest[i] = slot
             else:
-                dest[i] = torch.empty(self.block_bytes, dtype=torch.uint8)
+                dest[i] = torch.empty(self.row_bytes, dtype=torch.uint8)
             reads.append(i)
         futures = []
         share = -(-len(reads) // LOADER_THREADS) if reads else 0

@@ -103,7 +103,8 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         self.kv, self.host, self.disk = kv, host, disk
         self.planner = planner or RestorePlanner()
         self.stats = TierStats()
-        self.block_bytes = kv.block_bytes
+        self.block_bytes = kv.block_bytes  # KV bytes a page: what the planner and the rates count
+        self.row_bytes = kv.row_bytes  # a page as the tiers store it (smaller over the link with the codec)
         self._cuda = kv.data.is_cuda
         self._copy_stream = torch.cuda.Stream(kv.data.device) if self._cuda else None
         # restores from host RAM, layer by layer, beside the compute stream (_upload_layers)
@@ -158,7 +159,7 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
             if needs_probe(self.planner, disk):
                 threading.Thread(target=probe_disk, args=(disk, self.planner, LOADER_THREADS), name="qml-kv-probe",
                                  daemon=True).start()
-            self._writer = DiskWriter(disk, self.block_bytes, self.stats, backlog_bytes=MAX_PENDING_WRITE_BYTES)
+            self._writer = DiskWriter(disk, self.row_bytes, self.stats, backlog_bytes=MAX_PENDING_WRITE_BYTES)
             self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="qml-kv-loader")
 
     def hold_writes(self):
@@ -315,6 +316,7 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         can have the whole backlog copied down beside it. Until the copy has run, a page evicted
         for reuse makes the compute stream wait (``spill``) and a restore reading a slot waits for
         it (``_slot_events``)."""
+        from qml_kernels.kv_codec import KVCodecConfig, kv_save
         from qml_kernels.page_copy import PageCopyConfig, page_save
 
         dev = self.kv.data.device
@@ -323,7 +325,10 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         pool, table = self.kv.chunk_views(self.host.slots)
         with self._side(after):
             index = index.to(dev, non_blocking=self._cuda)
-            page_save(table, index[1], pool, index[0], config=PageCopyConfig(num_programs=SAVE_PROGRAMS))
+            if self.kv.codec:  # encoded on the way down: fewer bytes over the link, and on the way back up
+                kv_save(table, index[1], pool, index[0], config=KVCodecConfig(num_programs=SAVE_PROGRAMS))
+            else:
+                page_save(table, index[1], pool, index[0], config=PageCopyConfig(num_programs=SAVE_PROGRAMS))
         if not self._cuda:  # (tests: the reference has copied already)
             self._host_writes.hand_over([s for _, s in batch], None, self.host.slots, self._writer)
             return
@@ -500,7 +505,7 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         and those waiting for their host copy before they go."""
         if self._writer is None:
             return 0
-        return self._writer.pending_bytes + len(self._host_writes) * self.block_bytes
+        return self._writer.pending_bytes + len(self._host_writes) * self.row_bytes
 
     def _gather(self, pages: list[int], settle: bool = True) -> torch.Tensor:
         self._observe_uploads()
@@ -664,7 +669,7 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         t0 = time.perf_counter()
         for i in range(0, len(pages), MAX_BATCH_PAGES):
             n_pages = min(MAX_BATCH_PAGES, len(pages) - i)
-            staging = torch.empty((n_pages, self.block_bytes), dtype=torch.uint8, device=dev)
+            staging = torch.empty((n_pages, self.row_bytes), dtype=torch.uint8, device=dev)
             for src, d, s, n in sources:  # the part of each run that falls in this chunk
                 lo, hi = max(d, i), min(d + n, i + n_pages)
                 if lo < hi:
@@ -704,14 +709,15 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
     def _compile_page_copy(self) -> None:
         """One copy of a page at start (the pool holds nothing yet): the kernel is compiled before a
         request's restore would wait for it."""
+        from qml_kernels.kv_codec import kv_load, kv_save
         from qml_kernels.page_copy import page_copy, page_save
 
-        self.host.slots[0].zero_()  # page 0 keeps the zeros it was made with
+        self.host.slots[0].zero_()  # page 0 keeps the zeros it was made with (zeros decode to zeros too)
         pool, table = self.kv.chunk_views(self.host.slots)
         zero = torch.zeros(1, dtype=torch.int64, device=self.kv.data.device)
-        page_copy(pool, zero, table, zero, 0, 2)
+        (kv_load if self.kv.codec else page_copy)(pool, zero, table, zero, 0, 2)
         if self.save_in_place:  # and the other way (the first pump would compile it beside a prefill)
-            page_save(table, zero, pool, zero, 0, 2)
+            (kv_save if self.kv.codec else page_save)(table, zero, pool, zero, 0, 2)
         torch.cuda.synchronize(self.kv.data.device)
 
     def _upload_layers(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]],
@@ -721,6 +727,7 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         stream, with an event per layer handed to the pool (``KVCache.restore_events``): the
         prefill that reads them waits layer by layer, so it computes layer i while later layers
         still arrive, and a 3.5 GB history (~70 ms) hides the turn's own compute behind it."""
+        from qml_kernels.kv_codec import KVCodecConfig, kv_load
         from qml_kernels.page_copy import PageCopyConfig, page_copy
 
         dev = self.kv.data.device
@@ -742,9 +749,12 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
             start.record()
             index = index.to(dev, non_blocking=True)
             pages_d, slots_d = index[0, :len(pages)], index[1, :len(pages)]
-            config = PageCopyConfig(num_programs=SPLIT_RESTORE_PROGRAMS if hold else RESTORE_PROGRAMS)
+            programs = SPLIT_RESTORE_PROGRAMS if hold else RESTORE_PROGRAMS
+            # encoded rows are decoded into the pages as they are read (``kv_codec.kv_load``)
+            copy, config = (kv_load, KVCodecConfig(num_programs=programs)) if self.kv.codec else \
+                (page_copy, PageCopyConfig(num_programs=programs))
             for layer in range(self.kv.data.shape[0]):
-                page_copy(pool, pages_d, table, slots_d, 2 * layer, 2 * layer + 2, config=config)
+                copy(pool, pages_d, table, slots_d, 2 * layer, 2 * layer + 2, config=config)
                 event = torch.cuda.Event(enable_timing=layer == self.kv.data.shape[0] - 1)
                 event.record()
                 events.append(event)
