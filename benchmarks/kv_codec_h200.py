@@ -36,6 +36,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--pages", type=int, default=1708)
     parser.add_argument("--programs", default="32,64,128")
+    parser.add_argument("--segments", default="1,4,8", help="kv_load: segments decoded a step")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -81,9 +82,10 @@ def main() -> int:
         variants = {
             f"page_copy raw {programs}": lambda lo, hi, p=programs: page_copy(
                 pool, pages, raw_rows, slots, lo, hi, config=PageCopyConfig(num_programs=p)),
-            f"kv_load encoded {programs}": lambda lo, hi, p=programs: kv_load(
-                pool, pages, enc_rows, slots, lo, hi, config=KVCodecConfig(num_programs=p)),
         }
+        for segs in (int(x) for x in args.segments.split(",")):
+            variants[f"kv_load encoded {programs} x{segs}"] = lambda lo, hi, p=programs, k=segs: kv_load(
+                pool, pages, enc_rows, slots, lo, hi, config=KVCodecConfig(num_programs=p, segments=k))
         for name, fn in variants.items():
             times = []
             for _ in range(args.repeats):

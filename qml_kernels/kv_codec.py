@@ -165,14 +165,22 @@ def _check(pool: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, slots: t
 
 @dataclass(frozen=True)
 class KVCodecConfig:
-    """Launch tunables: persistent programs (the copy's share of the SMs) and warps per program."""
+    """Launch tunables: persistent programs (the copy's share of the SMs), warps per program, and the segments
+    ``kv_load`` decodes a step (a power of 2; fewer where a chunk has fewer): reads over the host link take
+    ~1-2 us, so each program needs many bytes in flight (one segment is ~800)."""
 
     num_programs: int = 64
     num_warps: int = 4
+    segments: int = 4
 
     def __post_init__(self):
-        if self.num_programs < 1 or self.num_warps < 1:
-            raise ValueError(f"KVCodecConfig: num_programs and num_warps must be >= 1, got {self}")
+        if self.num_programs < 1 or self.num_warps < 1 or self.segments < 1 or self.segments & (self.segments - 1):
+            raise ValueError(f"KVCodecConfig: num_programs, num_warps >= 1 and segments a power of 2, got {self}")
+
+    def step(self, width: int) -> int:
+        """Segments a step for chunks of ``width`` values: the largest power of 2 <= ``segments`` dividing them."""
+        n = width // SEGMENT
+        return min(self.segments, n & -n)
 
 
 # the counts, the chunk range and the grid change with every restore: specialising on them would compile a
@@ -180,29 +188,29 @@ class KVCodecConfig:
 @triton.jit(do_not_specialize=["n_items", "chunk_lo", "n_chunks", "num_programs"])
 def _kv_load_kernel(pool_ptr, rows_ptr, rows16_ptr, pages_ptr, slots_ptr, n_items, chunk_lo, n_chunks, num_programs,
                     stride_pool_chunk, stride_pool_page, stride_row, stride_row_chunk,
-                    W: tl.constexpr, HDR: tl.constexpr):
-    i = tl.arange(0, 512)
+                    W: tl.constexpr, HDR: tl.constexpr, SEGS: tl.constexpr):
+    i = tl.arange(0, 512)[None, :]  # value in the segment
+    j = tl.arange(0, SEGS)[:, None]  # segment of the step
     for item in range(tl.program_id(0), n_items, num_programs):
         page = tl.load(pages_ptr + item // n_chunks).to(tl.int64)
         slot = tl.load(slots_ptr + item // n_chunks).to(tl.int64)
         c = (chunk_lo + item % n_chunks).to(tl.int64)
         dst = pool_ptr + c * stride_pool_chunk + page * stride_pool_page  # int16 view of the pool
         row = slot * stride_row + c * stride_row_chunk  # byte offset of the chunk in the rows
-        for s in range(W // 512):
-            # masks of the block's shape, each from one comparison (the interpreter takes neither a scalar mask
-            # nor the & of two)
-            which = i + 1024 * tl.load(rows_ptr + row + s).to(tl.int32)
+        for s0 in range(0, W // 512, SEGS):
+            # masks from one comparison each (the interpreter takes neither a scalar mask nor the & of two)
+            which = i + 1024 * tl.load(rows_ptr + row + s0 + j).to(tl.int32)  # [SEGS, 512]
             raw = which >= 1024
             comp = which < 1024
-            seg = row + HDR + s * 1024
-            # only the bytes the segment's form needs are loaded: a compressed one crosses the link as 784 bytes
+            seg = row + HDR + (s0 + j) * 1024
+            # only the bytes each segment's form needs are loaded: a compressed one crosses the link as 784 bytes
             base = tl.load(rows_ptr + seg + i // 32, mask=comp, other=0).to(tl.int32)
             sm = tl.load(rows_ptr + seg + 16 + i, mask=comp, other=0).to(tl.int32)
             nib = tl.load(rows_ptr + seg + 528 + i // 2, mask=comp, other=0).to(tl.int32)
             exps = base + ((nib >> ((i % 2) * 4)) & 15)
             bits = ((sm & 0x80) << 8) | (exps << 7) | (sm & 0x7F)
             whole = tl.load(rows16_ptr + seg // 2 + i, mask=raw, other=0).to(tl.int32)
-            tl.store(dst + s * 512 + i, tl.where(raw, whole, bits).to(tl.int16))
+            tl.store(dst + (s0 + j) * 512 + i, tl.where(raw, whole, bits).to(tl.int16))
 
 
 @triton.jit(do_not_specialize=["n_items", "chunk_lo", "n_chunks", "num_programs"])
@@ -243,7 +251,7 @@ def _kv_save_kernel(pool_ptr, rows_ptr, rows16_ptr, pages_ptr, slots_ptr, n_item
 
 
 def _launch(kernel, pool: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, chunk_lo: int,
-            chunk_hi: int, config: KVCodecConfig) -> None:
+            chunk_hi: int, config: KVCodecConfig, **constexprs) -> None:
     n_chunks = chunk_hi - chunk_lo
     n_items = pages.numel() * n_chunks
     if n_items == 0:
@@ -255,7 +263,7 @@ def _launch(kernel, pool: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
     kernel[(programs,)](
         pool.view(torch.int16), rows, rows.view(torch.int16), pages, slots, n_items, chunk_lo, n_chunks, programs,
         pool.stride(0), pool.stride(1), rows.stride(0), rows.stride(1),
-        W=W, HDR=header_bytes(W), num_warps=config.num_warps)
+        W=W, HDR=header_bytes(W), num_warps=config.num_warps, **constexprs)
 
 
 def kv_load_triton(pool: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
@@ -267,7 +275,7 @@ def kv_load_triton(pool: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, 
     _check(pool, pages, rows, slots, chunk_lo, chunk_hi)
     assert pool.dtype == torch.bfloat16, f"the codec's pool is bf16, got {pool.dtype}"
     assert pages.device == pool.device == slots.device, "pages and slots live beside the pool"
-    _launch(_kv_load_kernel, pool, pages, rows, slots, chunk_lo, chunk_hi, config)
+    _launch(_kv_load_kernel, pool, pages, rows, slots, chunk_lo, chunk_hi, config, SEGS=config.step(pool.shape[2]))
     return pool
 
 

@@ -28,7 +28,8 @@ from qml_kernels.kv_codec import (
 from qml_kernels.workbench import check
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-CONFIGS = {"default": None, "two-programs": KVCodecConfig(num_programs=2, num_warps=1)}
+CONFIGS = {"default": None, "two-programs": KVCodecConfig(num_programs=2, num_warps=1, segments=1),
+           "two-segments-a-step": KVCodecConfig(segments=2)}
 
 
 def _bits(values: torch.Tensor) -> torch.Tensor:
@@ -158,8 +159,15 @@ def test_bad_arguments_are_refused_before_a_launch():
         kv_save_ref(rows, slots[:1], pool, pages)  # a slot per page
     with pytest.raises(AssertionError):
         kv_save_ref(rows, slots, pool, pages, 2, 5)  # past the last chunk
-    with pytest.raises(ValueError):
-        KVCodecConfig(num_programs=0)
+    for bad in (dict(num_programs=0), dict(segments=3), dict(num_warps=0)):
+        with pytest.raises(ValueError):
+            KVCodecConfig(**bad)
+
+
+def test_the_load_step_divides_the_chunks_segments():
+    assert KVCodecConfig().step(16384) == 4 and KVCodecConfig(segments=64).step(16384) == 32  # Llama: 32
+    assert KVCodecConfig().step(3072) == 2  # SmolLM2: 6 segments, steps of 2
+    assert KVCodecConfig(segments=8).step(512) == 1
 
 
 def test_the_load_reads_a_compressed_segment_as_784_bytes():
@@ -179,7 +187,11 @@ def _variant(kernel, width: int, config: KVCodecConfig) -> dict:
                  "slots_ptr": "*i64", "n_items": "i32", "chunk_lo": "i32", "n_chunks": "i32", "num_programs": "i32",
                  "stride_pool_chunk": "i64", "stride_pool_page": "i32", "stride_row": "i32",
                  "stride_row_chunk": "i32", "W": "constexpr", "HDR": "constexpr"}
-    return {"kernel": kernel, "signature": signature, "constexprs": {"W": width, "HDR": header_bytes(width)},
+    constexprs = {"W": width, "HDR": header_bytes(width)}
+    if kernel is _kv_load_kernel:
+        signature["SEGS"] = "constexpr"
+        constexprs["SEGS"] = config.step(width)
+    return {"kernel": kernel, "signature": signature, "constexprs": constexprs,
             "num_warps": config.num_warps, "num_stages": 1,
             "divisible": ("stride_pool_chunk", "stride_pool_page", "stride_row", "stride_row_chunk")}
 
@@ -187,7 +199,8 @@ def _variant(kernel, width: int, config: KVCodecConfig) -> dict:
 COMPILE_VARIANTS = {
     "load-llama-pages": _variant(_kv_load_kernel, 16384, KVCodecConfig()),
     "save-llama-pages": _variant(_kv_save_kernel, 16384, KVCodecConfig(num_programs=16)),
-    "load-qwen3-moe-pages": _variant(_kv_load_kernel, 8192, KVCodecConfig(num_warps=8)),
+    "load-qwen3-moe-pages": _variant(_kv_load_kernel, 8192, KVCodecConfig(num_warps=8, segments=8)),
+    "load-one-segment-a-step": _variant(_kv_load_kernel, 16384, KVCodecConfig(segments=1)),
 }
 
 
@@ -304,3 +317,15 @@ def test_a_history_restored_through_the_codec_from_host_ram_and_from_disk_gives_
         assert got.token_ids == want
     finally:
         restarted.shutdown()
+
+
+@pytest.mark.parametrize("segments", [2, 4])
+def test_load_decodes_several_segments_a_step(segments):
+    pool, rows = _case(10, W=2048)  # four segments a chunk, some raw
+    assert KVCodecConfig(segments=segments).step(2048) == segments
+    pages, slots = torch.tensor([4, 1, 6], device=DEVICE), torch.tensor([0, 5, 2], device=DEVICE)
+    want = kv_load_ref(pool.clone().cpu(), pages.cpu(), rows.cpu(), slots.cpu())
+    kv_load_triton(pool, pages, rows, slots, config=KVCodecConfig(segments=segments))
+    assert torch.equal(_bits(pool.cpu()), _bits(want))
+    raw = rows[slots.cpu().long(), :, :4]
+    assert 0 < raw.sum() < raw.numel()  # both forms in the pages read
