@@ -183,10 +183,10 @@ def main() -> int:
             x = torch.randn(T, HID, device=dev, dtype=torch.bfloat16)
             xf = torch.randn(T, FF, device=dev, dtype=torch.bfloat16)
             forms = {
-                "cublas": lambda w, x=x, xf=xf: (F.linear(x, w["qkv"]), F.linear(x, w["o"]), F.linear(x, w["gate_up"]),
-                                     F.linear(xf, w["down"])),
-                "swapped": lambda w, x=x, xf=xf: (torch.mm(w["qkv"], x.T), torch.mm(w["o"], x.T), torch.mm(w["gate_up"], x.T),
-                                      torch.mm(w["down"], xf.T)),
+                "cublas": lambda w, x=x, xf=xf: (F.linear(x, w["qkv"]), F.linear(x, w["o"]),
+                                                 F.linear(x, w["gate_up"]), F.linear(xf, w["down"])),
+                "swapped": lambda w, x=x, xf=xf: (torch.mm(w["qkv"], x.T), torch.mm(w["o"], x.T),
+                                                  torch.mm(w["gate_up"], x.T), torch.mm(w["down"], xf.T)),
             }
             row = {}
             for lib in ("cublas", "cublaslt"):

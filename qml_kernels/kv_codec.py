@@ -218,8 +218,10 @@ def _kv_save_kernel(pool_ptr, rows_ptr, rows16_ptr, pages_ptr, slots_ptr, n_item
                     stride_pool_chunk, stride_pool_page, stride_row, stride_row_chunk,
                     W: tl.constexpr, HDR: tl.constexpr):
     g = tl.arange(0, 16)[:, None]  # group
-    k = tl.arange(0, 16)[None, :]  # pair within the group: values 2k and 2k + 1
-    even = g * 32 + 2 * k
+    v = tl.arange(0, 32)[None, :]  # value in the group
+    k = tl.arange(0, 16)[None, :]  # pair of values in the group (2k, 2k + 1): one offsets byte
+    at = g * 32 + v  # [16, 32]: the segment in order, so that every store is contiguous (partly written 64-byte
+    # lines cost the host link as much as whole ones)
     for item in range(tl.program_id(0), n_items, num_programs):
         page = tl.load(pages_ptr + item // n_chunks).to(tl.int64)
         slot = tl.load(slots_ptr + item // n_chunks).to(tl.int64)
@@ -227,27 +229,22 @@ def _kv_save_kernel(pool_ptr, rows_ptr, rows16_ptr, pages_ptr, slots_ptr, n_item
         src = pool_ptr + c * stride_pool_chunk + page * stride_pool_page  # int16 view of the pool
         row = slot * stride_row + c * stride_row_chunk
         for s in range(W // 512):
-            a = tl.load(src + s * 512 + even).to(tl.int32) & 0xFFFF
-            b = tl.load(src + s * 512 + even + 1).to(tl.int32) & 0xFFFF
-            ea = (a >> 7) & 0xFF
-            eb = (b >> 7) & 0xFF
-            lo = tl.minimum(tl.min(ea, 1), tl.min(eb, 1))  # [16]: each group's base
-            hi = tl.maximum(tl.max(ea, 1), tl.max(eb, 1))
-            flag = (tl.max(hi - lo, 0) > 15).to(tl.int32)
+            x = tl.load(src + s * 512 + at)
+            bits = x.to(tl.int32) & 0xFFFF
+            exps = (bits >> 7) & 0xFF
+            lo = tl.min(exps, 1)  # [16]: each group's base
+            flag = (tl.max(tl.max(exps, 1) - lo, 0) > 15).to(tl.int32)
             tl.store(rows_ptr + row + s, flag.to(tl.uint8))
-            # masks of the block's shape, each from one comparison (the interpreter takes neither a scalar mask
-            # nor the & of two)
-            which = even + 1024 * flag
-            raw = which >= 1024
-            comp = which < 1024
+            # masks from one comparison each (the interpreter takes neither a scalar mask nor the & of two)
+            raw = at + 1024 * flag >= 1024
+            comp = at + 1024 * flag < 1024
             seg = row + HDR + s * 1024
             tl.store(rows_ptr + seg + tl.arange(0, 16), lo.to(tl.uint8), mask=tl.arange(0, 16) + 1024 * flag < 1024)
-            tl.store(rows_ptr + seg + 16 + even, (((a >> 8) & 0x80) | (a & 0x7F)).to(tl.uint8), mask=comp)
-            tl.store(rows_ptr + seg + 17 + even, (((b >> 8) & 0x80) | (b & 0x7F)).to(tl.uint8), mask=comp)
-            pair = (ea - lo[:, None]) | ((eb - lo[:, None]) << 4)
-            tl.store(rows_ptr + seg + 528 + g * 16 + k, pair.to(tl.uint8), mask=comp)
-            tl.store(rows16_ptr + seg // 2 + even, a.to(tl.int16), mask=raw)
-            tl.store(rows16_ptr + seg // 2 + even + 1, b.to(tl.int16), mask=raw)
+            tl.store(rows_ptr + seg + 16 + at, (((bits >> 8) & 0x80) | (bits & 0x7F)).to(tl.uint8), mask=comp)
+            even, odd = tl.split(tl.reshape(exps - lo[:, None], (16, 16, 2)))  # offsets of values 2k, 2k + 1
+            pair = g * 16 + k
+            tl.store(rows_ptr + seg + 528 + pair, (even | (odd << 4)).to(tl.uint8), mask=pair + 1024 * flag < 1024)
+            tl.store(rows16_ptr + seg // 2 + at, x, mask=raw)
 
 
 def _launch(kernel, pool: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, chunk_lo: int,
