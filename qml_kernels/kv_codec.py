@@ -248,12 +248,20 @@ def _kv_save_kernel(pool_ptr, rows_ptr, rows16_ptr, pages_ptr, slots_ptr, n_item
 
 
 def _launch(kernel, pool: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, chunk_lo: int,
-            chunk_hi: int, config: KVCodecConfig, **constexprs) -> None:
+            chunk_hi: int | None, config: KVCodecConfig | None) -> None:
+    """Both kernels' launch: their arguments checked (the kernels take bf16 pools only), one program per item
+    (page, chunk) up to ``config.num_programs``."""
+    chunk_hi = pool.shape[0] if chunk_hi is None else chunk_hi
+    _check(pool, pages, rows, slots, chunk_lo, chunk_hi)
+    assert pool.dtype == torch.bfloat16, f"the codec's pool is bf16, got {pool.dtype}"
+    assert pages.device == pool.device == slots.device, "pages and slots live beside the pool"
+    config = config or KVCodecConfig()
     n_chunks = chunk_hi - chunk_lo
     n_items = pages.numel() * n_chunks
     if n_items == 0:
         return
     W = pool.shape[2]
+    constexprs = {"SEGS": config.step(W)} if kernel is _kv_load_kernel else {}  # (kv_save: a segment a step)
     assert rows.stride(0) % 2 == 0 and rows.stride(1) % 2 == 0 and rows.data_ptr() % 2 == 0, \
         "the rows are also read as 16-bit values"
     programs = min(config.num_programs, n_items)
@@ -267,12 +275,7 @@ def kv_load_triton(pool: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, 
                    chunk_lo: int = 0, chunk_hi: int | None = None,
                    config: KVCodecConfig | None = None) -> torch.Tensor:
     """``kv_load_ref`` in one launch; ``rows`` may be pinned host memory (read in place)."""
-    config = config or KVCodecConfig()
-    chunk_hi = pool.shape[0] if chunk_hi is None else chunk_hi
-    _check(pool, pages, rows, slots, chunk_lo, chunk_hi)
-    assert pool.dtype == torch.bfloat16, f"the codec's pool is bf16, got {pool.dtype}"
-    assert pages.device == pool.device == slots.device, "pages and slots live beside the pool"
-    _launch(_kv_load_kernel, pool, pages, rows, slots, chunk_lo, chunk_hi, config, SEGS=config.step(pool.shape[2]))
+    _launch(_kv_load_kernel, pool, pages, rows, slots, chunk_lo, chunk_hi, config)
     return pool
 
 
@@ -280,11 +283,6 @@ def kv_save_triton(rows: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, 
                    chunk_lo: int = 0, chunk_hi: int | None = None,
                    config: KVCodecConfig | None = None) -> torch.Tensor:
     """``kv_save_ref`` in one launch; ``rows`` may be pinned host memory (written in place)."""
-    config = config or KVCodecConfig()
-    chunk_hi = pool.shape[0] if chunk_hi is None else chunk_hi
-    _check(pool, pages, rows, slots, chunk_lo, chunk_hi)
-    assert pool.dtype == torch.bfloat16, f"the codec's pool is bf16, got {pool.dtype}"
-    assert pages.device == pool.device == slots.device, "pages and slots live beside the pool"
     _launch(_kv_save_kernel, pool, pages, rows, slots, chunk_lo, chunk_hi, config)
     return rows
 

@@ -107,14 +107,19 @@ class KVCache:
             return
         self.data[:, :, page].copy_(self._page_view(src))
 
+    def _chunks(self) -> torch.Tensor:
+        """The pool as ``[C, P, W]``."""
+        L, two, P = self.data.shape[:3]
+        return self.data.view(L * two, P, self._width)
+
     def chunk_views(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool as ``[C, P, W]`` and host rows ``table`` ([N, row_bytes] uint8, each laid out as
         ``read_page`` writes it) as ``[N, C, W]`` (raw: ``qml_kernels.page_copy``'s layout) or ``[N, C, E]``
         uint8 (the codec's: ``kv_codec.kv_load``'s): C = layers x 2 runs of W elements, a page's slots of
         one layer's K or V, contiguous on both sides."""
-        L, two, P = self.data.shape[:3]
+        L, two = self.data.shape[:2]
         W = self._width
-        pool = self.data.view(L * two, P, W)
+        pool = self._chunks()
         if self.codec:
             return pool, table.view(-1, L * two, kv_codec.encoded_chunk_bytes(W))
         return pool, table.view(self.data.dtype).view(-1, L * two, W)
@@ -128,7 +133,7 @@ class KVCache:
             self.settle()
         n = pages.numel()
         if self.codec:
-            pool, _ = self.chunk_views(torch.empty(0, dtype=torch.uint8))
+            pool = self._chunks()
             rows = torch.empty(n, pool.shape[0], kv_codec.encoded_chunk_bytes(self._width), dtype=torch.uint8,
                                device=self.data.device)
             kv_codec.kv_save(rows, torch.arange(n, device=pages.device), pool, pages)

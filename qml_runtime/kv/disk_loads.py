@@ -162,10 +162,15 @@ class DiskLoads:
                     ok.update(f.result())
             for i, dest in enumerate(load.dest):
                 if isinstance(dest, int):
-                    self.host.release(dest)
-                    if not ok.get(i, False):
-                        self.host.discard(load.names[i])
+                    self._give_back(load, i, ok.get(i, False))
         self._dropped = still
+
+    def _give_back(self, load: PendingLoad, i: int, read: bool) -> None:
+        """Block i's host slot, held for its disk read, may be evicted again; a failed read is forgotten
+        (its slot holds a partial read or none)."""
+        self.host.release(load.dest[i])
+        if not read:
+            self.host.discard(load.names[i])
 
     def apply_load(self, load: PendingLoad) -> int:
         """Copy a finished load's blocks into its pages; returns how many leading blocks landed.
@@ -185,9 +190,7 @@ class DiskLoads:
             dest = load.dest[i]
             if tier == "disk" and dest is not None:
                 if isinstance(dest, int):
-                    self.host.release(dest)
-                    if not ok.get(i, False):
-                        self.host.discard(load.names[i])  # its slot holds a partial or no read
+                    self._give_back(load, i, ok.get(i, False))
                 if not ok.get(i, False):
                     landed = min(landed, i)
                 if i < landed:
