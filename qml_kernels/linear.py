@@ -16,9 +16,11 @@ Implementations, behind one dispatch:
   ``[N, K]`` layout, no copy. Decode shapes take a 16-row tile (mma.sync instead of wgmma,
   whose minimum is 64 rows: the FLOPs are free there) and narrow N tiles so that all SMs
   stream the weight.
+- ``narrow``: ``qml_kernels.linear_narrow``, the product transposed (features as the MMA's rows,
+  tokens as its columns) for a turn's 17 to 256 tokens, which the other two pad to 64- or 128-row tiles.
 - ``reference``: ``linear_ref``, fp32 matmul; what every check compares against.
 
-Which of cublas/triton/gemv runs on a GPU is measured, not guessed: ``qml_kernels/tuning/linear_<gpu>.json``
+Which of cublas/triton/gemv/narrow runs on a GPU is measured, not guessed: ``qml_kernels/tuning/linear_<gpu>.json``
 names the faster verified one per (dtype, N, K, token bucket); unlisted shapes run cuBLAS.
 ``QML_LINEAR_TABLE=path`` puts another table in its place for a whole process (an A/B of a sweep's table).
 On CPU the public ``linear`` runs torch's matmul unless an implementation is forced.
@@ -43,6 +45,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qml_kernels import registry
 from qml_kernels.gemv import GemvConfig, gemv_capable, gemv_triton
+from qml_kernels.linear_narrow import NarrowConfig, linear_narrow, narrow_capable
 from qml_kernels.registry import dispatch, register
 from qml_kernels.tuning import TuningEntry, TuningTable, find_table, load_table, token_bucket
 from qml_kernels.workbench.spec import Case, OpSpec, register_spec
@@ -217,14 +220,17 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 # -- choosing between cuBLAS and Triton per shape (tuning table) ----------------------------------
 
-_IMPLS = ("triton", "cublas", "gemv")
+_IMPLS = ("triton", "cublas", "gemv", "narrow")
 _KEY_FIELDS = ("dtype", "N", "K", "T")
 _TABLE_OVERRIDE: list[TuningTable] = []  # innermost use_tuning_table() last
 
 
-def _make_config(**fields) -> LinearConfig | GemvConfig:
-    """An entry's config: the GEMM's (it has ``block_m``) or the decode GEMV's."""
-    return LinearConfig(**fields) if "block_m" in fields else GemvConfig(**fields)
+def _make_config(**fields) -> LinearConfig | GemvConfig | NarrowConfig:
+    """An entry's config: the GEMM's (it has ``block_m``), the token-narrow GEMM's (``block_f``) or the
+    decode GEMV's."""
+    if "block_m" in fields:
+        return LinearConfig(**fields)
+    return NarrowConfig(**fields) if "block_f" in fields else GemvConfig(**fields)
 
 
 def load_linear_table(path) -> TuningTable:
@@ -301,10 +307,12 @@ def _tuned_to_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def preferred_impl(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """What runs these arguments on a GPU when nothing is forced: "triton" or "gemv" where the
+    """What runs these arguments on a GPU when nothing is forced: "triton", "gemv" or "narrow" where the
     tuning table measured it faster and it can take them, else "cublas"."""
     if _gemv_supports(x, weight):
         return "gemv"
+    if _narrow_supports(x, weight):
+        return "narrow"
     return "triton" if _triton_capable(x, weight) and _tuned_to_triton(x, weight) else "cublas"
 
 
@@ -327,6 +335,25 @@ def _gemv_supports(x, weight, out=None, config=None) -> bool:
     return entry is not None and entry.impl == "gemv"
 
 
+def linear_narrow_tuned(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                        config: NarrowConfig | None = None) -> torch.Tensor:
+    """``qml_kernels.linear_narrow``, with the tuning table's config for this shape when given none."""
+    if config is None:
+        entry = tuned_entry(x, weight)
+        if entry is not None and isinstance(entry.config, NarrowConfig):
+            config = entry.config
+    return linear_narrow(x, weight, out, config)
+
+
+def _narrow_supports(x, weight, out=None, config=None) -> bool:
+    if not narrow_capable(x, weight, out):
+        return False
+    if registry.forced_impl("linear") == "narrow":
+        return True
+    entry = tuned_entry(x, weight)
+    return entry is not None and entry.impl == "narrow"
+
+
 def _triton_supports(x, weight, out=None, config=None) -> bool:
     # registry.select takes the first registered implementation that supports the call, so the
     # triton entry (registered before cublas) claims only the shapes the table gives it; forced,
@@ -337,6 +364,7 @@ def _triton_supports(x, weight, out=None, config=None) -> bool:
 
 register("linear", "reference", linear_ref)
 register("linear", "gemv", linear_gemv, devices=("cuda",), supports=_gemv_supports)
+register("linear", "narrow", linear_narrow_tuned, devices=("cuda",), supports=_narrow_supports)
 register("linear", "triton", linear_triton, devices=("cuda",), supports=_triton_supports)
 register("linear", "cublas", linear_cublas, devices=("cuda", "cpu"))
 

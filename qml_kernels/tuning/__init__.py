@@ -8,7 +8,7 @@ A table is ``<op>_<gpu>.json``::
                   "impl": "triton", "config": {"block_m": 128, "block_n": 256, ...}}]}
 
 ``device`` is matched as a substring of ``torch.cuda.get_device_name()``. Each entry holds the
-op's key fields (for linear: dtype, N, K and the token bucket T), the implementation's registry
+op's key fields (for linear: dtype, N, K and the token bucket T, ``token_bucket``), the implementation's registry
 name, and the launch-config fields for it (null for a vendor library). A shape that no entry
 names gets the op's default; an op decides what that is (for linear: cuBLAS).
 
@@ -47,9 +47,16 @@ class TuningTable:
 
 
 def token_bucket(T: int) -> int:
-    """The bucket a token count falls in: the next power of two (T = 1, 2, 4, ..., 2048, ...).
+    """The bucket a token count falls in: the next power of two (T = 1, 2, 4, ..., 2048, ...), except
+    from 129 to 256 tokens, where it is the next multiple of 32 (160, 192, 224, 256).
+
+    Why the finer steps there: a conversation's next turn (~130-220 new tokens, run in the prefill
+    graphs of 160, 192 and 256 tokens) is where how a kernel's tiles fit T decides its speed (128-row
+    token tiles compute 160 tokens as 256; ``qml_kernels.linear_narrow`` as 128 + 32).
 
     A table entry for bucket b was measured at T = b, the largest T it covers."""
+    if 128 < T <= 256:
+        return -(-T // 32) * 32
     return 1 if T <= 1 else 1 << (T - 1).bit_length()
 
 
