@@ -2,12 +2,12 @@
 
     python benchmarks/linear_narrow_h200.py --out DIR [--table PATH] [--seconds 420]
 
-Question: at the ~150 new tokens of a conversation's next turn, do Llama-3.1-8B's four GEMMs a layer
-(qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) lose time to 64/128-row token
-tiles (150 tokens computed as 192 or 256 rows) and to operand traffic from L2, and does computing
-``y^T = w @ x^T`` with the features as the MMA's rows win it back? Expected (not measured): cuBLAS
-~168 us a layer at 150 tokens (the engine's 5.4 ms of GEMMs over 32 layers), the narrow kernel
-120-140 if the padding and the L2 traffic are what it loses to.
+Question: at the ~150 new tokens of a conversation's next turn (run in the 160-token prefill graph), can
+Llama-3.1-8B's four GEMMs a layer (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) come
+closer to their floors (436 MB of weights: 97 us at ~4.5 TB/s; 70 GFLOP at 160 tokens: 91 us at 765 TFLOP/s)
+than cuBLAS's 160 us (the engine's profile, 2026-12-04: nvjet tiles of 96 or 192 tokens), with the features
+as the MMA's rows and the tokens in 128 + 32 columns? Expected (not measured): 120-140 us if the weight
+stream is what cuBLAS leaves on the table; at 256 tokens about level.
 
 For each token count T and each shape, first every form is checked in bf16 against ``linear_ref``
 (max |err| / max |ref| <= 1.6e-2), then timed inside a CUDA graph of back-to-back calls over 8

@@ -1,18 +1,18 @@
 """Token-narrow GEMM: ``y = x @ w.T`` for a turn's ~100-256 tokens, with the weight's rows as the MMA's rows.
 
-Why. The next turn of a conversation is ~150 new tokens over a long history. On the H200 its
-Llama-3.1-8B GEMMs took ~168 us a layer (5.4 of the turn's ~16 device ms,
-``engine-h200-gputurn-timeline-2026-12-02.txt``): 65 GFLOP and 436 MB of weights a layer, i.e.
-389 TFLOP/s and 2.6 TB/s, far from either ceiling (765 TFLOP/s, ~4.5 TB/s). Two costs of the usual
-orientation (tokens as the MMA's rows, in tiles of 64 or 128) are suspected, neither measured yet:
-- padding: 150 tokens are computed as 256 rows in 128-row tiles (1.7x the FLOPs) or 192 in 64-row tiles;
-- operand traffic from L2 into the SMs: a 128x256 tile over 150 real tokens does ~50 useful FLOPs per
-  byte it loads into shared memory; at ~40 B/ns of L2 bandwidth per SM that caps it near the rate seen.
+Why. The next turn of a conversation is ~150 new tokens over a long history, run in the prefill graph
+of 160 tokens. In the H200 profile of that turn (``engine-h200-gputurn-hostturn-afterfresh-arrival-2026-12-04.json``,
+Llama-3.1-8B) cuBLAS's four GEMMs a layer took 160 us: gate_up 76 (nvjet 256x96 tiles), down 40.5 (64x192,
+split-K, plus its reduction), qkv 22.7 (144x64), o 16.8 (96x64). A layer's weights are 436 MB (97 us at
+~4.5 TB/s) and 160 tokens are 70 GFLOP (91 us at the 765 TFLOP/s measured peak): at 160 FLOPs per weight
+byte the call sits at the H200's ridge (~170), where both ceilings are near and neither is reached (2.7 TB/s,
+440 TFLOP/s). cuBLAS's tiles of 96 or 192 tokens compute 160 tokens as 192 (1.2x the tensor-core work), and
+its smaller projections (qkv, o: 16-23 us for 8-11 us of weights) run below the weight stream's rate.
 
 What. The product is computed transposed, ``y^T = w @ x^T``: output features are the MMA's rows
 (``BLOCK_F`` = 64, 128 or 256, whole at every Llama/Qwen width) and tokens its columns. wgmma takes
 columns in multiples of 8, Triton's tiles are powers of two, so the tokens are covered by one tile or
-two (``token_tiles``: 150 -> 128 + 32 = 160 columns, 1.07x; 133 -> 128 + 16). Each program owns
+two (``token_tiles``: 160 -> 128 + 32, no padding; 150 -> the same 160; 133 -> 128 + 16). Each program owns
 ``BLOCK_F`` features for all tokens: it reads its weight rows once (from HBM, exactly once over the
 grid) and all of x (``T x K``: 1.2 MB at 150 x 4096 bf16, from L2). Per byte loaded a 128 x 160 tile
 does 71 useful FLOPs, a 256 x 160 one 98. Where the feature tiles are too few to keep the SMs busy

@@ -51,8 +51,8 @@ def token_bucket(T: int) -> int:
     from 129 to 256 tokens, where it is the next multiple of 32 (160, 192, 224, 256).
 
     Why the finer steps there: a conversation's next turn (~130-220 new tokens, run in the prefill
-    graphs of 160, 192 and 256 tokens) is where how a kernel's tiles fit T decides its speed (128-row
-    token tiles compute 160 tokens as 256; ``qml_kernels.linear_narrow`` as 128 + 32).
+    graphs of 160, 192 and 256 tokens) is where how a kernel's tiles fit T decides its speed (cuBLAS's
+    96-token tiles compute 160 tokens as 192; ``qml_kernels.linear_narrow`` as 128 + 32).
 
     A table entry for bucket b was measured at T = b, the largest T it covers."""
     if 128 < T <= 256:
