@@ -28,6 +28,7 @@ choice, from measurements on the GPU (``benchmarks/linear_table.py``); untuned s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -205,4 +206,9 @@ def linear_narrow(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
 
 
 def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
+    return _sm_count_of(device.index or 0)
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
