@@ -21,6 +21,7 @@ checked in bulk (parse 1.78 -> 0.37 ms, ids 0.77 -> 0.34 ms); what grows with th
 from __future__ import annotations
 
 import argparse
+from array import array
 import cProfile
 import io
 import json
@@ -30,22 +31,28 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 
 VOCAB = 151936  # Qwen3's: ids of 4-6 digits on the wire, as the bench sends them
+TURN_BYTES, REPLY_BYTES = 133, 64  # --chat: the sessions bench's new turn and reply (the byte tokenizer: 1 token a byte)
 PHASES = ("send->app", "body", "json", "parse", "ids", "->engine", "engine->write", "write->client")
 STAMPS = ("app", "body", "json", "parse", "ids", "engine", "write")
 
 
-def serve(port: int) -> None:
+def serve(port: int, chat: bool = False) -> None:
     """The app over a stand-in engine, each phase of the request being handled stamped."""
     from starlette.responses import JSONResponse
 
+    import qml_server.routes_chat as chat_route
     import qml_server.routes_completions as route
+    from qml_runtime.engine import _packed_ids
+    from qml_runtime.presets import ByteTokenizer
     from qml_runtime.sampling_params import RequestOutput
     from qml_server.app import create_app
     from qml_server.lifecycle import serve as run_app
 
     stamps: dict[str, float] = {}
+    held: list[list[int]] = []  # the stand-in's "sequences": their id lists, until their response is sent
     profile = cProfile.Profile()
     profiling = [False]
 
@@ -59,7 +66,10 @@ def serve(port: int) -> None:
             return "x" * len(ids)
 
     class StandIn:  # the engine's contract (see create_app), answering the first token at once
-        model_id, context_length, tokenizer = "stand-in", 32768, Tokenizer()
+        # (--chat: the presets' byte tokenizer, which renders a chat template, and a reply of REPLY_BYTES
+        # ids that decode to its text, so the server keeps it and the next turn's history reuses its ids)
+        model_id, context_length = "stand-in", 131072
+        tokenizer = ByteTokenizer(VOCAB) if chat else Tokenizer()
 
         def start(self) -> None: ...
         def shutdown(self) -> None: ...
@@ -67,8 +77,18 @@ def serve(port: int) -> None:
         def stats(self) -> dict: return {"num_requests_running": 0, "num_requests_waiting": 0}
 
         async def generate(self, prompt_ids, params, request_id, **_):
+            # what Engine.submit does on the caller's thread with the ids: check and pack them, and make the
+            # list the sequence keeps (freed once the request has ended: by the outer app, after the response)
+            held.append(prompt_ids.tolist() if isinstance(prompt_ids, array) else list(prompt_ids))
+            if _packed_ids(prompt_ids, VOCAB) is None:
+                raise ValueError("bad ids")
             stamps["engine"] = time.perf_counter()
-            yield RequestOutput(request_id, "x", [7], "length", len(prompt_ids), 1)
+            if chat:  # the first token alone (the reply is kept after the last one, off the TTFT's path)
+                yield RequestOutput(request_id, "x", [ord("x")], None, len(prompt_ids), 1)
+                yield RequestOutput(request_id, "x" * (REPLY_BYTES - 1), [ord("x")] * (REPLY_BYTES - 1), "length",
+                                    len(prompt_ids), REPLY_BYTES)
+            else:
+                yield RequestOutput(request_id, "x", [7], "length", len(prompt_ids), 1)
 
     def stamped(name, fn, is_async):
         async def a(*args):
@@ -85,6 +105,9 @@ def serve(port: int) -> None:
     route.read_json_object = stamped("json", route.read_json_object, True)
     route.parse_completion_request = stamped("parse", route.parse_completion_request, False)
     route.completion_prompt_ids = stamped("ids", route.completion_prompt_ids, False)
+    chat_route.read_json_object = stamped("json", chat_route.read_json_object, True)
+    chat_route.parse_chat_request = stamped("parse", chat_route.parse_chat_request, False)
+    chat_route._render_prompt = stamped("ids", chat_route._render_prompt, False)  # template, kept reply, encode
     app = create_app(StandIn())
 
     async def outer(scope, receive, send):
@@ -119,8 +142,34 @@ def serve(port: int) -> None:
             await app(scope, receive_stamped, send_stamped)
         finally:
             profile.disable()
+            held.clear()
 
     run_app(outer, app.state.lifecycle, host="127.0.0.1", port=port, log_level="warning", shutdown_timeout_s=1)
+
+
+class Conversation:
+    """A chat that grows turn by turn as the sessions bench's do: a history of ~``n`` bytes (user and assistant
+    messages), then each turn the server's reply and a new user message of TURN_BYTES; one cache_salt."""
+
+    def __init__(self, n: int, turns: int = 20):
+        # as the sessions bench's conversations at their 20th turn: a long first message, then turns
+        self.salt = uuid.uuid4().hex
+        filler = "the history of a long conversation, word after word. "
+
+        def text(size: int) -> str:
+            return (filler * (size // len(filler) + 1))[:size]
+
+        first = max(TURN_BYTES, n - (turns - 1) * (TURN_BYTES + REPLY_BYTES))
+        self.messages = [{"role": "user", "content": text(first)}]
+        for _ in range(turns - 1):
+            self.messages += [{"role": "assistant", "content": text(REPLY_BYTES)},
+                              {"role": "user", "content": text(TURN_BYTES)}]
+
+    def turn(self, client):
+        run = client.stream(self.messages, max_tokens=REPLY_BYTES, cache_salt=self.salt)
+        self.messages += [{"role": "assistant", "content": run.text},
+                          {"role": "user", "content": f"{uuid.uuid4().hex} " + "n" * (TURN_BYTES - 33)}]
+        return run
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -134,7 +183,8 @@ def measure(args: argparse.Namespace) -> None:
     from qml_server.bench_common import Client, IdPrompts
 
     port = args.port
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], env={**os.environ})
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)] + (["--chat"] if args.chat else []),
+                            env={**os.environ})
     base = f"http://127.0.0.1:{port}"
     client = Client(base + "/v1", None, timeout=30.0)
     try:
@@ -151,8 +201,12 @@ def measure(args: argparse.Namespace) -> None:
         rows = {}
         for n in sizes:
             runs = []
+            conversation = Conversation(n) if args.chat else None
             for i in range(args.warmup + args.repeats):
-                run = client.stream(prompts.make(n), max_tokens=1)
+                if conversation is not None:
+                    run = conversation.turn(client)
+                else:
+                    run = client.stream(prompts.make(n), max_tokens=1)
                 s = client.http.get(base + "/bench/stamps").json()
                 if i < args.warmup:
                     continue
@@ -160,7 +214,9 @@ def measure(args: argparse.Namespace) -> None:
                 runs.append([(b - a) * 1e3 for a, b in zip(points, points[1:])] + [run.ttft_s * 1e3])
             rows[n] = [statistics.median(col) for col in zip(*runs)]
         head = ["tokens"] + list(PHASES) + ["TTFT"]
-        print(f"median ms over {args.repeats} runs (stand-in engine: 0 ms); ids from [{prompts.lo}, {prompts.hi})")
+        what = (f"chat turns over histories of ~n bytes (byte tokenizer: n tokens), replies kept, {TURN_BYTES}-byte "
+                f"new turns" if args.chat else f"ids from [{prompts.lo}, {prompts.hi})")
+        print(f"median ms over {args.repeats} runs (stand-in engine: 0 ms); {what}")
         print(" ".join(f"{h:>13}" for h in head))
         for n in sizes:
             print(" ".join(f"{v:>13}" for v in [n] + [f"{x:.3f}" for x in rows[n]]))
@@ -169,8 +225,12 @@ def measure(args: argparse.Namespace) -> None:
         print(" ".join(f"{v:>13}" for v in ["per 1k tok"] + [f"{b * 1e3:.3f}" for b in per_k]))
         if args.profile:
             client.http.get(base + "/bench/profile?true")
+            conversation = Conversation(args.profile) if args.chat else None
             for _ in range(args.repeats):
-                client.stream(prompts.make(args.profile), max_tokens=1)
+                if conversation is not None:
+                    conversation.turn(client)
+                else:
+                    client.stream(prompts.make(args.profile), max_tokens=1)
             print(f"\ncProfile of the event loop's thread, {args.repeats} requests of {args.profile} tokens:")
             print(client.http.get(base + "/bench/profile?false").json())
     finally:
@@ -186,10 +246,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--port", type=int, default=18431)
     parser.add_argument("--profile", type=int, default=0, help="prompt tokens of the cProfile'd requests (0: none)")
+    parser.add_argument("--chat", action="store_true",
+                        help="chat turns of a growing conversation (the sessions bench's requests), not token ids")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the server subprocess, on this port
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.chat)
     else:
         measure(args)
 

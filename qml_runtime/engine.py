@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import uuid
+from array import array
 from concurrent import futures
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -75,18 +76,23 @@ class _Flush:
     done: threading.Event
 
 
-def _packed_ids(ids: list, vocab: int) -> bytes | None:
+def _packed_ids(ids: list | array, vocab: int) -> bytes | None:
     """The ids packed as the prefix cache names them (``kv.prefix.pack``) if every one is an int (bool
     and other subclasses included) in [0, vocab), else None. On the caller's thread, before the
     request reaches the engine: a check per id in Python took ~1.1 ms for a 27k-token conversation
     every turn, this ~0.45 ms (the types as a set, the range on the packed uint32), and the scheduler
-    then names the prompt's blocks from these bytes without packing it again (~0.15 ms)."""
-    if not all(issubclass(t, int) for t in set(map(type, ids))):
-        return None
-    try:
-        packed = pack(ids)
-    except OverflowError:  # negative, or past 2^32: outside any vocabulary
-        return None
+    then names the prompt's blocks from these bytes without packing it again (~0.15 ms). A uint32
+    ``array("I")`` (the server's chat prompts) holds ints >= 0 by construction: its bytes are taken as
+    they are (~0.01 ms for 27k ids) and only the range is checked."""
+    if isinstance(ids, array) and ids.typecode == "I":
+        packed = ids.tobytes()
+    else:
+        if not all(issubclass(t, int) for t in set(map(type, ids))):
+            return None
+        try:
+            packed = pack(ids)
+        except OverflowError:  # negative, or past 2^32: outside any vocabulary
+            return None
     return packed if not ids or int(np.frombuffer(packed, dtype=np.uint32).max()) < vocab else None
 
 
@@ -256,7 +262,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
 
     # --- requests ---------------------------------------------------------------------
 
-    def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+    def _new_sequence(self, prompt_ids: list[int] | array, params: SamplingParams, request_id: str,
                       tenant: str | None = None, session: str | None = None) -> Sequence:
         if not prompt_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
@@ -264,6 +270,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         packed = _packed_ids(prompt_ids, vocab)
         if packed is None:
             raise InvalidParameter("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        prompt_ids = prompt_ids.tolist() if isinstance(prompt_ids, array) else prompt_ids
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise InvalidParameter("logit_bias", f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
@@ -284,7 +291,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         return Sequence(request_id, prompt_ids, params, detok, seed, salt, retain=session is not None,
                         grammar=grammar, packed_prompt=packed)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, emit: Emit,
+    def submit(self, prompt_ids: list[int] | array, params: SamplingParams, emit: Emit,
                request_id: str | None = None, tenant: str | None = None, session: str | None = None,
                follow: str | None = None) -> str:
         """Queue a request; ``emit`` is called from the engine thread with each output.
@@ -298,7 +305,9 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         request_id = request_id or uuid.uuid4().hex
         self.expect_request()
         try:
-            seq = self._new_sequence(list(prompt_ids), params, request_id, tenant, session)
+            # (a uint32 array, as the server's chat prompts come, is checked by its bytes: _packed_ids)
+            seq = self._new_sequence(prompt_ids if isinstance(prompt_ids, array) else list(prompt_ids), params,
+                                     request_id, tenant, session)
             self._inbox.put(_Add(seq, emit, follow))
         finally:
             self._expected_until = 0.0  # in the inbox (or refused): nothing more to wait for

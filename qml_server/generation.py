@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -168,7 +168,7 @@ def request_tenant(request: Request, cache_salt: str | None = None) -> str | Non
 
 
 def start_generation(
-    request: Request, prompt_ids: list[int], params: SamplingParams, request_id: str, started: float,
+    request: Request, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, started: float,
     cache_salt: str | None = None, user: str | None = None, n: int = 1, prompt_text: str | None = None,
 ) -> list[EngineStream]:
     """Admit the request (503 when the engine's queue is full) and open its engine streams, one per
@@ -200,7 +200,7 @@ def start_generation(
 
 
 async def _keeping_reply(stream: EngineStream, replies: ReplyMemory, tokenizer: Any, tenant: str, prompt_text: str,
-                         prompt_ids: list[int]) -> EngineStream:
+                         prompt_ids: Sequence[int]) -> EngineStream:
     """``stream`` passed through; a reply that finishes (not aborted) is kept with its prompt: its text with
     the ids that decode to exactly that text."""
     parts: list[str] = []
@@ -213,7 +213,7 @@ async def _keeping_reply(stream: EngineStream, replies: ReplyMemory, tokenizer: 
                 text = "".join(parts)
                 kept = _ids_of_text(tokenizer, ids, text)
                 if kept:
-                    replies.remember(tenant, prompt_text + text, prompt_ids + kept)
+                    replies.remember(tenant, prompt_text + text, [*prompt_ids, *kept])  # (ids: a list or an array)
             yield out
 
 

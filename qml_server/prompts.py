@@ -7,21 +7,23 @@ these is what makes /tokenize's count the ``prompt_tokens`` a generation would r
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
 from qml_server.errors import bad_request
 from qml_server.replies import ReplyMemory
-from qml_server.schemas import check_token_ids
+from qml_server.schemas import token_id_array
 from qml_server.tools import ToolUse, prompt_messages
 
 
 @dataclass
 class ChatPrompt:
     """A rendered chat prompt: its ids, and its text when the tokenizer renders apart from encoding
-    (what ``ReplyMemory`` keys on; None for a tokenizer that only offers ``apply_chat_template``)."""
+    (what ``ReplyMemory`` keys on; None for a tokenizer that only offers ``apply_chat_template``). The ids
+    of a rendered text are a uint32 ``array("I")``: the engine takes them without a check per id."""
 
-    ids: list[int]
+    ids: list[int] | array
     text: str | None = None
 
 
@@ -44,20 +46,22 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolUse |
         raise bad_request(f"The chat template rejected the messages: {exc}", param="messages") from None
     kept = replies.longest_prefix(tenant, text) if replies is not None else None
     if kept is None:
-        return ChatPrompt(list(tokenizer.encode_chat(text)), text)
+        return ChatPrompt(array("I", tokenizer.encode_chat(text)), text)
     chars, ids = kept
-    return ChatPrompt(ids + list(tokenizer.encode_chat(text[chars:], continuation=True)), text)
+    ids.extend(tokenizer.encode_chat(text[chars:], continuation=True))
+    return ChatPrompt(ids, text)
 
 
 def text_prompt_ids(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: str | list[int]) -> list[int]:
-    """The ids /v1/completions generates from: the text encoded, or the ids checked."""
+def completion_prompt_ids(tokenizer: Any, prompt: str | list[int]) -> list[int] | array:
+    """The ids /v1/completions generates from: the text encoded, or the ids checked; as a uint32
+    ``array("I")``, which the engine takes without checking each id's type again (~0.5 ms for 27k ids)."""
     if isinstance(prompt, str):
         ids = text_prompt_ids(tokenizer, prompt)
         if not ids:
             raise bad_request("The prompt is empty", param="prompt")
-        return ids
-    return check_token_ids(prompt, getattr(tokenizer, "vocab_size", None), "prompt")
+        return array("I", ids)
+    return token_id_array(prompt, getattr(tokenizer, "vocab_size", None), "prompt")

@@ -43,7 +43,7 @@ async def detokenize(request: Request) -> Response:
 
 def _token_ids(tokenizer, req: TokenizeRequest, replies: ReplyMemory | None, tenant: str) -> list[int]:
     if req.messages is not None:  # with the kept replies of the tenant, as the chat route encodes them
-        return chat_prompt(tokenizer, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs,
-                           replies, tenant).ids
+        return list(chat_prompt(tokenizer, req.messages, req.tools, req.add_generation_prompt,
+                                req.chat_template_kwargs, replies, tenant).ids)
     assert req.prompt is not None
     return text_prompt_ids(tokenizer, req.prompt, req.add_special_tokens)

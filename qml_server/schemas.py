@@ -298,19 +298,43 @@ def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> list[
     Ids go straight to an embedding lookup or the tokenizer's Rust side; out of range,
     they must be refused here rather than fail there.
     """
+    if _valid_token_values(ids, vocab_size) is not None:
+        return ids
+    _name_bad_token_id(ids, vocab_size, param)
+    return ids
+
+
+def token_id_array(ids: list[int], vocab_size: int | None, param: str) -> array:
+    """``check_token_ids``, the ids returned as a uint32 ``array("I")`` (what the engine takes a prompt as,
+    with no check of each id's type: ~0.5 ms of 27k ids), made from the checked int64 values (~0.03 ms)."""
+    values = _valid_token_values(ids, vocab_size)
+    if values is None or (values.size and values.max() >= 2**32):
+        _name_bad_token_id(ids, vocab_size, param)
+        raise bad_request(f"{param}: token ids must be integers in [0, 2^32)", param=param)
+    out = array("I")
+    out.frombytes(values.astype(np.uint32).tobytes())
+    return out
+
+
+def _valid_token_values(ids: list[int], vocab_size: int | None):
+    """The ids as int64 values if every one is in [0, vocab_size), else None."""
     try:
-        # The ids in one C-level pass (int64) and their range by numpy: the loop below took 0.6 ms
+        # The ids in one C-level pass (int64) and their range by numpy: a loop over them took 0.6 ms
         # for 26,900 ids (CPU), this 0.3 ms. Only when one is bad does the loop run, to name the first.
         values = np.frombuffer(array("q", ids), dtype=np.int64)
         if values.size == 0 or (values.min() >= 0 and (vocab_size is None or values.max() < vocab_size)):
-            return ids
+            return values
     except (OverflowError, TypeError):
-        pass  # beyond int64 (or not an int at all): the loop below decides
+        pass  # beyond int64 (or not an int at all): the loop decides
+    return None
+
+
+def _name_bad_token_id(ids: list[int], vocab_size: int | None, param: str) -> None:
+    """A 400 naming the first id that is not a token of the vocabulary."""
     for i, token in enumerate(ids):
         if token < 0 or (vocab_size is not None and token >= vocab_size):
             limit = f" [0, {vocab_size})" if vocab_size is not None else " (non-negative)"
             raise bad_request(f"{param}[{i}] = {token} is not a valid token id{limit}", param=param)
-    return ids
 
 
 def check_model(requested: str | None, served: str) -> None:

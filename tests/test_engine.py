@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import time
+from array import array
 
 import pytest
 
@@ -75,12 +76,20 @@ def test_seeded_sampling_reproduces(engine):
     ([1, -2], GREEDY, "prompt"),
     ([1, 2.0], GREEDY, "prompt"),  # not an int
     ([1] * 8000, SamplingParams(max_tokens=500), "max_tokens"),  # over the 8192 context
+    (array("I"), GREEDY, "prompt"),  # the uint32 arrays the server's chat prompts come as: checked too
+    (array("I", [1, 2, 10**9]), GREEDY, "prompt"),
 ])
 def test_bad_requests_raise_before_queueing(engine, prompt, params, param):
     with pytest.raises(InvalidParameter) as err:
         engine.generate_sync(prompt, params)
     assert err.value.param == param
     assert engine.generate_sync(engine.tokenizer.apply_chat_template(CAPITAL), GREEDY).finish_reason == "stop"
+
+
+def test_a_uint32_array_prompt_is_taken_as_its_ids(engine):
+    ids = engine.tokenizer.apply_chat_template(CAPITAL)
+    out = engine.generate_sync(array("I", ids), GREEDY)
+    assert out.token_ids == engine.generate_sync(ids, GREEDY).token_ids and out.prompt_tokens == len(ids)
 
 
 def test_closing_the_stream_aborts_and_frees_pages(engine):

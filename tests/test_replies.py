@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
 from starlette.testclient import TestClient
@@ -18,6 +19,16 @@ from tests.test_engine import sibling
 # --- the memory ---------------------------------------------------------------------------
 
 
+def prefix(memory: ReplyMemory, tenant: str, text: str) -> tuple[int, list[int]] | None:
+    """``longest_prefix`` with its ids as a list (it hands them out as the engine takes them: uint32)."""
+    found = memory.longest_prefix(tenant, text)
+    if found is None:
+        return None
+    chars, ids = found
+    assert isinstance(ids, array) and ids.typecode == "I"
+    return chars, ids.tolist()
+
+
 def test_the_longest_kept_prefix_of_the_same_tenant_wins():
     m = ReplyMemory()
     m.remember("a", "hello", [1, 2])
@@ -25,30 +36,30 @@ def test_the_longest_kept_prefix_of_the_same_tenant_wins():
     m.remember("a", "bye", [9])
     m.remember("b", "hello world, again", [7, 7, 7])
     assert len(m) == 3 and m.tokens == 7
-    assert m.longest_prefix("a", "hello world, again") == (11, [1, 2, 3])
-    assert m.longest_prefix("a", "hello there") == (5, [1, 2])  # a turn sent again finds the earlier cut
-    assert m.longest_prefix("a", "hell") is None
-    assert m.longest_prefix("b", "hello world, again!") == (18, [7, 7, 7])
-    assert m.longest_prefix("c", "hello world") is None  # another tenant's replies are never used
-    assert m.longest_prefix("a", "bye") == (3, [9])  # the whole text: nothing left to encode
+    assert prefix(m, "a", "hello world, again") == (11, [1, 2, 3])
+    assert prefix(m, "a", "hello there") == (5, [1, 2])  # a turn sent again finds the earlier cut
+    assert prefix(m, "a", "hell") is None
+    assert prefix(m, "b", "hello world, again!") == (18, [7, 7, 7])
+    assert prefix(m, "c", "hello world") is None  # another tenant's replies are never used
+    assert prefix(m, "a", "bye") == (3, [9])  # the whole text: nothing left to encode
     assert m.stats() == {"entries": 3, "tokens": 7, "hits": 4, "misses": 2, "reused_tokens": 9}
     # a text that extends a kept one with other ids (encoded apart, after an eviction) is kept beside it
     m.remember("a", "hello world and more", [5, 5, 5, 5])
-    assert len(m) == 4 and m.longest_prefix("a", "hello world and more!") == (20, [5, 5, 5, 5])
-    assert m.longest_prefix("a", "hello world!") == (11, [1, 2, 3])
+    assert len(m) == 4 and prefix(m, "a", "hello world and more!") == (20, [5, 5, 5, 5])
+    assert prefix(m, "a", "hello world!") == (11, [1, 2, 3])
 
 
 def test_bounds_drop_the_least_recently_used():
     m = ReplyMemory(max_entries=3, max_tokens=10)
     for i in range(3):
         m.remember("t", f"text {i}", [i, i])
-    assert m.longest_prefix("t", "text 0 and more") is not None  # 0 is now the most recent
+    assert prefix(m, "t", "text 0 and more") is not None  # 0 is now the most recent
     m.remember("t", "text 3", [3, 3])
-    assert len(m) == 3 and m.longest_prefix("t", "text 1...") is None  # 1 was the least recent
+    assert len(m) == 3 and prefix(m, "t", "text 1...") is None  # 1 was the least recent
     m.remember("t", "long", list(range(9)))  # 6 + 9 > 10 ids: the least recent go until it fits
-    assert m.tokens <= 10 and m.longest_prefix("t", "long one") == (4, list(range(9)))
+    assert m.tokens <= 10 and prefix(m, "t", "long one") == (4, list(range(9)))
     m.remember("t", "too long", list(range(11)))  # more than the whole budget: not kept
-    assert m.longest_prefix("t", "too long") is None
+    assert prefix(m, "t", "too long") is None
     with pytest.raises(ValueError):
         ReplyMemory(max_entries=0)
 
@@ -66,7 +77,7 @@ def test_a_random_workload_matches_a_plain_model_and_respects_the_bounds():
             cuts = [(c, n, e) for e in m._entries.values() if e.tenant == tenant for c, n in e.cuts
                     if text.startswith(e.text[:c])]
             want = max(cuts, key=lambda cut: cut[0], default=None)
-            got = m.longest_prefix(tenant, text)
+            got = prefix(m, tenant, text)
             assert got == (None if want is None else (want[0], want[2].ids[:want[1]].tolist()))
 
 
@@ -96,9 +107,9 @@ def test_kept_replies_survive_a_restart_and_damaged_files_are_misses(tmp_path):
     store.flush()
     assert len(list(tmp_path.glob("*.rep"))) == 2
     again = ReplyMemory(store=ReplyStore(tmp_path))
-    assert again.longest_prefix("a", "hello there") == (5, [1, 2])
-    assert again.longest_prefix("a", "hello world!") == (11, [1, 2, 3])
-    assert again.longest_prefix("b", "héllo 🙂 ok") == (7, [4])
+    assert prefix(again, "a", "hello there") == (5, [1, 2])
+    assert prefix(again, "a", "hello world!") == (11, [1, 2, 3])
+    assert prefix(again, "b", "héllo 🙂 ok") == (7, [4])
     # a truncated file, a flipped bit, a stray file and an interrupted write: deleted on load, never raised
     files = sorted(tmp_path.glob("*.rep"))
     files[0].write_bytes(files[0].read_bytes()[:-5])
@@ -116,7 +127,7 @@ def test_kept_replies_survive_a_restart_and_damaged_files_are_misses(tmp_path):
     bounded.store.flush()
     small = ReplyMemory(max_entries=2, store=ReplyStore(tmp_path))
     small.store.flush()
-    assert [small.longest_prefix("t", f"text {i}") for i in range(4)] == [None, None, (6, [2]), (6, [3])]
+    assert [prefix(small, "t", f"text {i}") for i in range(4)] == [None, None, (6, [2]), (6, [3])]
     assert len(list(tmp_path.glob("*.rep"))) == 2
 
 

@@ -401,6 +401,23 @@ def test_token_id_checks_directly():
         check_token_ids([3, 0, 8], 8, "p")
 
 
+def test_token_id_arrays_are_checked_as_the_lists_are():
+    from array import array
+
+    from qml_server.schemas import token_id_array
+
+    got = token_id_array([3, 0, 7], 8, "p")
+    assert isinstance(got, array) and got.typecode == "I" and got.tolist() == [3, 0, 7]
+    assert token_id_array([], 8, "p").tolist() == []
+    assert token_id_array([2**32 - 1], None, "p").tolist() == [2**32 - 1]
+    with pytest.raises(Exception, match=r"p\[2\] = 8 is not a valid token id \[0, 8\)"):
+        token_id_array([3, 0, 8], 8, "p")
+    with pytest.raises(Exception, match=r"p\[1\] = -1 is not a valid token id"):
+        token_id_array([5, -1], None, "p")
+    with pytest.raises(Exception, match=r"token ids must be integers in \[0, 2\^32\)"):
+        token_id_array([2**32], None, "p")  # no vocabulary to refuse it by, but no uint32 holds it
+
+
 # --- /tokenize and /detokenize --------------------------------------------------------
 
 
