@@ -9,8 +9,9 @@ slow as its 4-run launch (two waves of programs, 220 us). Candidates, each a for
   that fill the bucket: ``cuda_graphs.PrefillGraphs._forward``), so the cuDNN launch holds 2 x 3 runs of
   entries, and its block tables are as wide as the engine's context (5,120 pages at 81,920 tokens), not
   the history's 1,709; ``alone``: one sequence as ``cudnn_turn_h200.py`` had it; ``wide-table``: one
-  sequence, the engine's table width; ``graph-meta``: as the prefill graph builds it (two sequences, the
-  capture's host lists, the replay's device lengths);
+  sequence, the engine's table width; ``graph-meta``: as the prefill graph built it until 2026-12-05 (two
+  sequences, the capture's host lists, the replay's device lengths: 6 entries); ``graph-meta-history-1``: as
+  it builds it since (``history_seqs=1``: the padding sequence gets no cuDNN entries, 3);
 - the neighbours: ``in-layer``: each form inside 32 layers of the turn's GEMMs (qkv, o, gate_up, down on
   cuBLAS, distinct weights and KV per layer, as the engine's graph runs them), its time minus the GEMMs'
   alone, and the cuDNN kernel's own time read from the profiler over one replay.
@@ -24,6 +25,7 @@ Every form's output is checked against ``paged_attention_ref`` first (fp32; the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -65,6 +67,7 @@ def metas(table: list[int], dev) -> dict[str, tuple[AttentionMetadata, int]]:
         cu_seqlens_q_host=[0, BUCKET - 1, BUCKET],
         context_lens_host=[min(ENGINE_PAGES * S, 32768)] * 2)
     out["graph-meta"] = (graph_meta, BUCKET)
+    out["graph-meta-history-1"] = (dataclasses.replace(graph_meta, history_seqs=1), BUCKET)
     return out
 
 

@@ -40,6 +40,10 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32: tokens in cache after this step
     cu_seqlens_q_host: list[int]
     context_lens_host: list[int]
+    # how many sequences, from the first, may have cached keys before their queries (None: all). A prefill
+    # graph's last sequence is its padding rows over only their own keys: attention_turn launches cuDNN over
+    # the others' histories only (3 runs of entries for the turn, not 6 with the padding's empty ones)
+    history_seqs: int | None = None
     # what a kernel derives from this metadata once and reuses at every layer (attention_turn's runs)
     plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 

@@ -26,6 +26,12 @@ built once, in the warm-up before the capture (70-120 ms a build on the H200: ``
 steps use it only for shapes built already (served, a build on an eager turn restoring its history
 from host RAM took that turn from 88 to 218 ms). The per-step plan (run boundaries, block tables,
 lengths) is made on the device from the step's metadata, as a replay needs.
+
+A prefill graph's second sequence is its padding rows over only their own keys
+(``AttentionMetadata.history_seqs`` = 1): it gets no cuDNN entries, and all its keys go to the tail kernel.
+Before, the graph's cuDNN launch held 6 entries (2 sequences x 3 runs), half of them empty, and the engine's
+profile (2026-12-04) showed the kernel at 228 us a layer against 153 alone, as slow as two waves: whether
+the empty entries were the cause is measured by ``benchmarks/turn_attention_engine_h200.py`` (not yet run).
 """
 
 from __future__ import annotations
@@ -159,13 +165,20 @@ def _launch_shape(q, k_cache, meta: AttentionMetadata, sms: int) -> tuple:
     H = q.shape[1]
     Hkv = k_cache.shape[2]
     G = H // Hkv
-    cu = meta.cu_seqlens_q_host
+    B = _history_seqs(meta)
+    cu = meta.cu_seqlens_q_host[:B + 1]
     n_max = max(b - a for a, b in itertools.pairwise(cu))
     rows = _bucket(G * n_max, 64)
     runs = num_runs(rows, Hkv, sms)
-    B = meta.num_seqs
     max_pages = -(-meta.block_tables.shape[1] // runs) + 1
     return (B * runs, runs, rows, _bucket(max_pages, 16))
+
+
+def _history_seqs(meta: AttentionMetadata) -> int:
+    """The sequences, from the first, whose histories get cuDNN entries (``AttentionMetadata.history_seqs``);
+    the others' keys all go to the tail kernel."""
+    n = meta.num_seqs
+    return n if meta.history_seqs is None else max(1, min(n, meta.history_seqs))
 
 
 @functools.cache
@@ -219,7 +232,9 @@ def supported(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_windo
         return False
     cu, lens = meta.cu_seqlens_q_host, meta.context_lens_host
     shapes = [(cu[b + 1] - cu[b], L) for b, L in enumerate(lens)]
-    if not all(0 < n <= TURN_MAX_QUERIES and L - n >= TURN_MIN_HISTORY for n, L in shapes):
+    # (sequences past history_seqs, a graph's padding rows, have no history: only their rows are bounded)
+    if not all(0 < n <= TURN_MAX_QUERIES and (b >= _history_seqs(meta) or L - n >= TURN_MIN_HISTORY)
+               for b, (n, L) in enumerate(shapes)):
         return False
     if _cudnn() is None:
         return False
@@ -254,19 +269,20 @@ def _turn_plan_kernel(block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, tabl
 
 
 @triton.jit
-def _turn_pack_q_kernel(q_ptr, packed_ptr, cu_seqlens_q_ptr, num_seqs, stride_q_t, stride_q_h,
+def _turn_pack_q_kernel(q_ptr, packed_ptr, cu_seqlens_q_ptr, num_seqs, history_seqs, stride_q_t, stride_q_h,
                         stride_p_e, stride_p_h, stride_p_r,
                         RUNS: tl.constexpr, GROUP: tl.constexpr, TILE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_M: tl.constexpr):
     """q [T, H, D] -> packed [E, Hkv, R, D]: row tok * G + g of KV head h holds query head h * G + g of the
-    sequence's token tok, copied into each of the sequence's RUNS entries."""
+    sequence's token tok, copied into each of the sequence's RUNS entries (sequences past ``history_seqs``
+    have none)."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     b, q_start, t0 = tile_of(pid, cu_seqlens_q_ptr, num_seqs, TILE_TOKENS, SEQ_CHUNK)
     n_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
     rows = tl.arange(0, BLOCK_M)
     tok = t0 + rows // GROUP
-    ok = tok < n_q
+    ok = (tok < n_q) & ((rows * 0 + b) < history_seqs)
     d = tl.arange(0, HEAD_DIM)
     head = kv_head * GROUP + rows % GROUP
     src = (q_start + tok).to(tl.int64) * stride_q_t + head * stride_q_h
@@ -280,7 +296,7 @@ def _turn_pack_q_kernel(q_ptr, packed_ptr, cu_seqlens_q_ptr, num_seqs, stride_q_
 
 @triton.jit
 def _turn_tail_merge_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, hist_o_ptr, hist_lse_ptr, seq_kv_ptr,
-                            block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, tail_ptr, num_seqs,
+                            block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, tail_ptr, num_seqs, history_seqs,
                             pre_scale, stride_q_t, stride_q_h, stride_o_t, stride_o_h,
                             stride_page, stride_slot, stride_head, stride_bt,
                             stride_ho_e, stride_ho_h, stride_ho_r, stride_hl_e, stride_hl_h,
@@ -337,9 +353,14 @@ def _turn_tail_merge_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, hist_o_ptr
     local = t0 * GROUP + rows
     num = o
     den = tl.full([BLOCK_M], 1.0, tl.float32)
+    # a sequence past history_seqs has no entries (its keys were all the tail's): it reads the last one
+    # with entries, in bounds, and weighs it nothing
+    has_runs = (rows * 0 + b) < history_seqs  # [BLOCK_M]
+    b_runs = tl.minimum(b, history_seqs - 1)
     for r in tl.static_range(RUNS):
-        e = b * RUNS + r
-        has_keys = (rows * 0 + tl.load(seq_kv_ptr + e)) > 0  # [BLOCK_M]: a run of no keys weighs nothing
+        e = b_runs * RUNS + r
+        # [BLOCK_M]: a run of no keys weighs nothing
+        has_keys = ((rows * 0 + tl.load(seq_kv_ptr + e)) > 0) & has_runs
         part = tl.load(hist_lse_ptr + e * stride_hl_e + kv_head * stride_hl_h + local, mask=row_ok, other=0.0)
         part = tl.where(has_keys, part * LOG2E_C, float("-inf"))
         top = tl.maximum(lse, part)
@@ -360,7 +381,8 @@ class _Plan:
 
     def __init__(self, graph, runs: int, meta: AttentionMetadata, group: int, page: int):
         self.graph, self.runs = graph, runs
-        self.tail = torch.empty(meta.num_seqs, dtype=torch.int32, device=meta.block_tables.device)
+        # (zeros: a sequence past history_seqs gets no entries, so no tail from the plan kernel: all its keys)
+        self.tail = torch.zeros(meta.num_seqs, dtype=torch.int32, device=meta.block_tables.device)
         E, _, max_pages, _ = graph.table.shape
         bt = meta.block_tables
         _turn_plan_kernel[(E,)](bt, meta.cu_seqlens_q, meta.context_lens, graph.table, graph.seq_q, graph.seq_kv,
@@ -389,7 +411,8 @@ def turn_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_
     g = plan.graph
     tt = ROWS // G
     grid = (T // tt + meta.num_seqs, Hkv)
-    _turn_pack_q_kernel[grid](q, g.q, meta.cu_seqlens_q, meta.num_seqs, q.stride(0), q.stride(1),
+    hs = _history_seqs(meta)
+    _turn_pack_q_kernel[grid](q, g.q, meta.cu_seqlens_q, meta.num_seqs, hs, q.stride(0), q.stride(1),
                               g.q.stride(0), g.q.stride(1), g.q.stride(2),
                               RUNS=plan.runs, GROUP=G, TILE_TOKENS=tt, HEAD_DIM=D, BLOCK_M=ROWS, num_warps=4)
     if history is None:
@@ -398,7 +421,7 @@ def turn_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_
         history(g, k_cache, v_cache, scale)
     _turn_tail_merge_kernel[grid](
         q, k_cache, v_cache, out, g.o, g.stats, g.seq_kv, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-        plan.tail, meta.num_seqs, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        plan.tail, meta.num_seqs, hs, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         g.o.stride(0), g.o.stride(1), g.o.stride(2), g.stats.stride(0), g.stats.stride(1),
         RUNS=plan.runs, GROUP=G, TILE_TOKENS=tt, HEAD_DIM=D, PAGE_SIZE=S, BLOCK_M=ROWS, BLOCK_N=64,

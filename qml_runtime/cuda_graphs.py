@@ -312,9 +312,11 @@ class PrefillGraphs(_GraphFamily):
             ctx_host = [max(T, ctx)] * 2
         else:
             cu_host, ctx_host = self._eager_host
+        # the second sequence is the padding rows, over only their own keys: no history (attention_turn then
+        # launches cuDNN for the turn's history alone: 3 runs of entries on the H200's Llama shapes, not 6)
         meta = AttentionMetadata(
             slot_mapping=self.inputs[2, :T], block_tables=self.block_tables, cu_seqlens_q=self.lens[0],
-            context_lens=self.lens[1, :2], cu_seqlens_q_host=cu_host, context_lens_host=ctx_host)
+            context_lens=self.lens[1, :2], cu_seqlens_q_host=cu_host, context_lens_host=ctx_host, history_seqs=1)
         hidden = self.model(self.inputs[0, :T], self.inputs[1, :T], self.kv, meta)  # [T, D]
         logits = self.model.logits(hidden.index_select(0, self.last_row))  # [1, V]
         return self.sampling.sample(logits), logits

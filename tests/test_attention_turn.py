@@ -110,6 +110,24 @@ def test_launch_from_host_values_device_lengths_differ():
     assert _rel_err(got[:20], ref[:20]) <= TOLERANCES[torch.float32], f"seed {seed}"
 
 
+@pytest.mark.parametrize("sms", RUN_SMS)
+def test_a_graphs_padding_sequence_gets_no_cudnn_entries(sms):
+    """As a prefill graph runs a turn: the turn, then its padding rows over only their own keys, with
+    ``history_seqs=1``: cuDNN's entries are the turn's runs alone (half the launch), every row still right."""
+    seed, gen = _seeded()
+    case = Case("graph", {"seqs": ((20, 290), (12, 12)), "H": 8, "Hkv": 2, "Dh": 64, "shuffle": True})
+    x = _inputs(case, torch.float32, gen)
+    claimed = dataclasses.replace(x["meta"], cu_seqlens_q_host=[0, 31, 32], context_lens_host=[4096, 4096])
+    one = dataclasses.replace(claimed, history_seqs=1)
+    history = HistoryReference(sms)
+    both = history.graph_for(x["q"], x["k_cache"], claimed)
+    (g, runs) = history.graph_for(x["q"], x["k_cache"], one)
+    assert g.q.shape[0] == runs and both[0].q.shape[0] == 2 * both[1]
+    got = turn_attention(**dict(x, meta=one), out=torch.full_like(x["q"], float("nan")), history=history)
+    err = _rel_err(got, _expected(x))  # the padding sequence's rows too: its keys all went to the tail kernel
+    assert err <= TOLERANCES[torch.float32], f"sms={sms}: error {err:.2e} (seed {seed})"
+
+
 @pytest.mark.parametrize("rows,kv_heads,sms,expected", [
     (640, 8, 132, 3),  # Llama-3.1-8B, 150 queries x 4 heads: 5 tiles x 8 heads = 40 programs a run
     (896, 8, 132, 2),  # 219 queries: 7 tiles
@@ -179,7 +197,7 @@ _TAIL_SIGNATURE = {
     **{n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "hist_o_ptr")},
     "hist_lse_ptr": "*fp32", **{n: "*i32" for n in ("seq_kv_ptr", "block_tables_ptr", "cu_seqlens_q_ptr",
                                                      "context_lens_ptr", "tail_ptr")},
-    "num_seqs": _I32, "pre_scale": "fp32",
+    "num_seqs": _I32, "history_seqs": _I32, "pre_scale": "fp32",
     **{n: _I32 for n in ("stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_page", "stride_slot",
                          "stride_head", "stride_bt", "stride_ho_e", "stride_ho_h", "stride_ho_r", "stride_hl_e",
                          "stride_hl_h")},
@@ -187,6 +205,7 @@ _TAIL_SIGNATURE = {
                                 "DOT_PRECISION")},
 }
 _PACK_SIGNATURE = {"q_ptr": "*bf16", "packed_ptr": "*bf16", "cu_seqlens_q_ptr": "*i32", "num_seqs": _I32,
+                   "history_seqs": _I32,
                    **{n: _I32 for n in ("stride_q_t", "stride_q_h", "stride_p_e", "stride_p_h", "stride_p_r")},
                    **{n: "constexpr" for n in ("RUNS", "GROUP", "TILE_TOKENS", "HEAD_DIM", "BLOCK_M")}}
 _PLAN_SIGNATURE = {**{n: "*i32" for n in ("block_tables_ptr", "cu_seqlens_q_ptr", "context_lens_ptr", "table_ptr",
