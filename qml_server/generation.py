@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from array import array
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -213,7 +214,10 @@ async def _keeping_reply(stream: EngineStream, replies: ReplyMemory, tokenizer: 
                 text = "".join(parts)
                 kept = _ids_of_text(tokenizer, ids, text)
                 if kept:
-                    replies.remember(tenant, prompt_text + text, [*prompt_ids, *kept])  # (ids: a list or an array)
+                    # (a chat prompt's uint32 array: copied as bytes, the reply's ids appended)
+                    full = prompt_ids[:] if isinstance(prompt_ids, array) else list(prompt_ids)
+                    full.extend(kept)
+                    replies.remember(tenant, prompt_text + text, full)
             yield out
 
 

@@ -74,11 +74,17 @@ class ReplyMemory:
     def tokens(self) -> int:
         return self._tokens
 
-    def remember(self, tenant: str, text: str, ids: list[int]) -> None:
-        """Keep ``text`` (a rendered prompt and its reply) -> ``ids`` for ``tenant``'s next turns."""
+    def remember(self, tenant: str, text: str, ids: list[int] | array) -> None:
+        """Keep ``text`` (a rendered prompt and its reply) -> ``ids`` for ``tenant``'s next turns (a list, or a
+        uint32 array as the server's prompts come: taken by its bytes, on the event loop's thread)."""
         if not text or not ids or len(ids) > self.max_tokens:
             return
-        kept = _Kept(tenant, text, array("i", ids), [(len(text), len(ids))])
+        if isinstance(ids, array) and ids.typecode == "I":
+            as_int32 = array("i")
+            as_int32.frombytes(ids.tobytes())  # (token ids are < 2^31: the same values)
+        else:
+            as_int32 = array("i", ids)
+        kept = _Kept(tenant, text, as_int32, [(len(text), len(ids))])
         with self._lock:
             for key, e in list(self._entries.items()):
                 if e.tenant == tenant and text.startswith(e.text) and kept.ids[:len(e.ids)] == e.ids:

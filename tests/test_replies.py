@@ -64,6 +64,14 @@ def test_bounds_drop_the_least_recently_used():
         ReplyMemory(max_entries=0)
 
 
+def test_a_uint32_array_is_kept_as_its_ids():
+    m = ReplyMemory()
+    m.remember("a", "hello", array("I", [1, 2, 70000]))  # as the server's chat prompts come
+    m.remember("a", "hello world", [1, 2, 70000, 3])
+    assert prefix(m, "a", "hello!") == (5, [1, 2, 70000]) and prefix(m, "a", "hello world!") == (11, [1, 2, 70000, 3])
+    assert m.tokens == 4
+
+
 def test_a_random_workload_matches_a_plain_model_and_respects_the_bounds():
     rng = random.Random(0)
     m = ReplyMemory(max_entries=8, max_tokens=60)
