@@ -88,7 +88,7 @@ def kernel_us(fn, name_part: str) -> tuple[float, int]:
         graph.replay()
         torch.cuda.synchronize()
     events = [e for e in prof.events() if name_part in e.name]
-    return sum(e.device_time for e in events), len(events)
+    return sum(e.device_time_total for e in events), len(events)
 
 
 def main() -> int:
