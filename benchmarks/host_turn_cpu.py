@@ -66,7 +66,7 @@ PHASES = ["submit", "schedule", "  cached_prefix", "  restorable", "step_host", 
           "commit", "finish", "  sched_finish", "  persist", "other"]
 # --tier host: the schedule of a restore, split; "upload" (the copy into the pages, inside restore_host) is
 # taken out of "host", "schedule" and "restore_host" as compute is; "sched_rest": the rest of "schedule"
-RESTORE = ["  plan", "  restore_host", "  upload", "  register", "  sched_rest"]
+RESTORE = ["  plan", "  grow", "  restore_host", "  upload", "  register", "  sched_rest"]
 
 
 def build(args) -> Engine:
@@ -123,7 +123,7 @@ def instrument(eng: Engine, per_block: bool = True) -> Timers:
         t.wrap(eng.tiers, "persist", "  persist")
         t.wrap(sched, "_admit", "admit")
         restore = [(eng.tiers, "plan", "  plan"), (eng.tiers, "restore_host", "  restore_host"),
-                   (eng.tiers, "_upload", "  upload")]
+                   (eng.tiers, "_upload", "  upload"), (eng.blocks, "grow", "  grow")]
         if per_block:  # (before register_run, register was called once per block, each call then timed)
             restore += [(eng.blocks, "register", "  register"), (eng.blocks, "register_run", "  register")]
         for owner, attr, label in restore:
@@ -223,7 +223,7 @@ def main() -> None:
             if not args.eager:
                 ms["  graph_stage"] -= compute
             ms["  sched_rest"] = ms["schedule"] - sum(ms[p] for p in ["  cached_prefix", "  restorable", "  plan",
-                                                                       "  restore_host", "  register"])
+                                                                       "  grow", "  restore_host", "  register"])
             for phase in ("schedule", "  restore_host"):  # the copy is the GPU's work too
                 ms[phase] -= ms["  upload"]
             compute += ms["  upload"]
