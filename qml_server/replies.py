@@ -135,6 +135,7 @@ class ReplyMemory:
             ids = array("I")
             ids.frombytes(e.ids[:n_ids].tobytes())  # (kept ids are >= 0: the same bytes as int32)
             return chars, ids
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"entries": len(self._entries), "tokens": self._tokens, "hits": self.hits, "misses": self.misses,
