@@ -301,9 +301,23 @@ def _triton_capable(x, weight, out=None, config=None) -> bool:
             and (_tma_ready(out) if isinstance(out, torch.Tensor) else (weight.shape[0] * x.element_size()) % 16 == 0))
 
 
-def _tuned_to_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _tuned_to(impl: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the tuning table names ``impl`` for this call's shape."""
     entry = tuned_entry(x, weight)
-    return entry is not None and entry.impl == "triton"
+    return entry is not None and entry.impl == impl
+
+
+def _routed_to(impl: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``impl`` takes a call it can run: forced, or named by the tuning table. registry.select takes
+    the first registered implementation that supports the call, so each of ours (registered before cublas)
+    claims only the shapes the table gives it; forced, it takes everything it can run."""
+    return registry.forced_impl("linear") == impl or _tuned_to(impl, x, weight)
+
+
+def _tuned_config(x: torch.Tensor, weight: torch.Tensor, kind: type):
+    """The tuning table's launch config for this shape if it is a ``kind``, else None (the kernel's default)."""
+    entry = tuned_entry(x, weight)
+    return entry.config if entry is not None and isinstance(entry.config, kind) else None
 
 
 def preferred_impl(x: torch.Tensor, weight: torch.Tensor) -> str:
@@ -313,53 +327,31 @@ def preferred_impl(x: torch.Tensor, weight: torch.Tensor) -> str:
         return "gemv"
     if _narrow_supports(x, weight):
         return "narrow"
-    return "triton" if _triton_capable(x, weight) and _tuned_to_triton(x, weight) else "cublas"
+    return "triton" if _triton_capable(x, weight) and _tuned_to("triton", x, weight) else "cublas"
 
 
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
                 config: GemvConfig | None = None) -> torch.Tensor:
     """``qml_kernels.gemv``, with the tuning table's config for this shape when given none."""
-    if config is None:
-        entry = tuned_entry(x, weight)
-        if entry is not None and isinstance(entry.config, GemvConfig):
-            config = entry.config
-    return gemv_triton(x, weight, out, config)
-
-
-def _gemv_supports(x, weight, out=None, config=None) -> bool:
-    if not gemv_capable(x, weight, out):
-        return False
-    if registry.forced_impl("linear") == "gemv":
-        return True
-    entry = tuned_entry(x, weight)
-    return entry is not None and entry.impl == "gemv"
+    return gemv_triton(x, weight, out, config or _tuned_config(x, weight, GemvConfig))
 
 
 def linear_narrow_tuned(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
                         config: NarrowConfig | None = None) -> torch.Tensor:
     """``qml_kernels.linear_narrow``, with the tuning table's config for this shape when given none."""
-    if config is None:
-        entry = tuned_entry(x, weight)
-        if entry is not None and isinstance(entry.config, NarrowConfig):
-            config = entry.config
-    return linear_narrow(x, weight, out, config)
+    return linear_narrow(x, weight, out, config or _tuned_config(x, weight, NarrowConfig))
+
+
+def _gemv_supports(x, weight, out=None, config=None) -> bool:
+    return gemv_capable(x, weight, out) and _routed_to("gemv", x, weight)
 
 
 def _narrow_supports(x, weight, out=None, config=None) -> bool:
-    if not narrow_capable(x, weight, out):
-        return False
-    if registry.forced_impl("linear") == "narrow":
-        return True
-    entry = tuned_entry(x, weight)
-    return entry is not None and entry.impl == "narrow"
+    return narrow_capable(x, weight, out) and _routed_to("narrow", x, weight)
 
 
 def _triton_supports(x, weight, out=None, config=None) -> bool:
-    # registry.select takes the first registered implementation that supports the call, so the
-    # triton entry (registered before cublas) claims only the shapes the table gives it; forced,
-    # it takes everything it can run
-    return _triton_capable(x, weight, out) and (registry.forced_impl("linear") == "triton"
-                                                or _tuned_to_triton(x, weight))
+    return _triton_capable(x, weight, out) and _routed_to("triton", x, weight)
 
 
 register("linear", "reference", linear_ref)

@@ -92,7 +92,7 @@ def default_narrow_config(T: int, N: int, K: int, dtype: torch.dtype, num_sms: i
         split *= 2
     a, b = token_tiles(T)
     stage = (block_f + a + b) * block_k * elem
-    epilogue = a * block_f * max(elem, 4 if split > 1 else elem)
+    epilogue = a * block_f * (4 if split > 1 else elem)  # the transposed tile: fp32 partials, or y's dtype
     stages = max(2, min(4, (_SMEM_BUDGET - epilogue) // stage))
     return NarrowConfig(block_f, block_k, split, 8 if block_f >= 128 else 4, stages)
 
@@ -187,12 +187,12 @@ def linear_narrow(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     k_per_split = triton.cdiv(k_steps, split) * bk
     split = triton.cdiv(K, k_per_split)  # (no empty split: each covers at least one K step)
     part = torch.empty((split, T, N), device=x.device, dtype=torch.float32) if split > 1 else out
+    xa, ya = TensorDescriptor.from_tensor(x, [a, bk]), TensorDescriptor.from_tensor(out, [a, bf])
+    # (one token tile: the second tile's descriptors are never read, the first ones stand in)
+    xb = TensorDescriptor.from_tensor(x, [b, bk]) if b else xa
+    yb = TensorDescriptor.from_tensor(out, [b, bf]) if b else ya
     _narrow_kernel[(triton.cdiv(N, bf), split)](
-        TensorDescriptor.from_tensor(weight, [bf, bk]),
-        TensorDescriptor.from_tensor(x, [a, bk]),
-        TensorDescriptor.from_tensor(x, [b or a, bk]),
-        TensorDescriptor.from_tensor(out, [a, bf]),
-        TensorDescriptor.from_tensor(out, [b or a, bf]),
+        TensorDescriptor.from_tensor(weight, [bf, bk]), xa, xb, ya, yb,
         part, T, N, K, k_per_split,
         BLOCK_F=bf, BLOCK_K=bk, TOK_A=a, TOK_B=b, SPLIT=split,
         # fp32 in full precision, as torch's default fp32 matmul (TF32 off)

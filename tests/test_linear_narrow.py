@@ -23,7 +23,7 @@ from qml_kernels.linear_narrow import (
     narrow_capable,
     token_tiles,
 )
-from qml_kernels.workbench.compile import compile_checks
+from qml_kernels.workbench.compile import assert_compiled_for_hopper, compile_checks_by_name
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # the interpreter computes bf16 wrongly without an error: bf16 is checked on the GPU only
@@ -192,17 +192,13 @@ COMPILE_VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def compile_reports() -> dict:
-    reports = compile_checks(list(COMPILE_VARIANTS.values()))
-    return dict(zip(COMPILE_VARIANTS, (dataclasses.asdict(r) for r in reports)))
+def compiled() -> dict:
+    return compile_checks_by_name(COMPILE_VARIANTS)
 
 
 @pytest.mark.parametrize("name", COMPILE_VARIANTS)
-def test_compiles_for_hopper(compile_reports, name):
-    report = compile_reports[name]
-    assert report["ok"], report["error"]
-    assert ".target sm_90a" in report["ptx"]
-    assert report["spills"] in (0, None), f"{name}: {report['spills']} spill bytes"
-    assert report["shared_bytes"] <= 227 * 1024, f"{name}: {report['shared_bytes']} B shared"
+def test_compiles_for_hopper(compiled, name):
+    report = assert_compiled_for_hopper(compiled[name], name)
+    assert report.shared_bytes <= 227 * 1024, f"{name}: {report.shared_bytes} B shared"
     if name != "sum":  # the point of the kernel: TMA feeds shared memory, wgmma reads it with features as rows
-        assert report["has_tma"] and report["has_wgmma"], f"{name}: tma={report['has_tma']} wgmma={report['has_wgmma']}"
+        assert report.has_tma and report.has_wgmma, f"{name}: tma={report.has_tma} wgmma={report.has_wgmma}"
