@@ -41,13 +41,14 @@ def main() -> int:
     args = parser.parse_args()
     dev = torch.device("cuda")
     n, C = args.pages, 2 * L
-    P = n + 64
+    P = 2 * n + 64  # the saved pages and the restored ones apart: a restore must not overwrite its own source
     E = encoded_chunk_bytes(W)
     gen = torch.Generator(device=dev).manual_seed(0)
     pool = torch.randn(C, P, W, device=dev, generator=gen).to(torch.bfloat16)
     raw_rows = torch.empty(n, C, W, dtype=torch.bfloat16, pin_memory=True)
     enc_rows = torch.empty(n, C, E, dtype=torch.uint8, pin_memory=True)
-    source = torch.randperm(P, device=dev, generator=gen)[:n]  # the history's pages, as saved
+    order = torch.randperm(P, device=dev, generator=gen)
+    source, pages = order[:n], order[n:2 * n]  # the history's pages as saved; where they are restored
     for i in range(0, n, 64):  # rows made on the device, encoded by the reference (the format's definition)
         part = pool[:, source[i:i + 64]].transpose(0, 1).contiguous()  # [k, C, W]
         raw_rows[i:i + part.shape[0]].copy_(part.cpu())
@@ -56,7 +57,6 @@ def main() -> int:
     link = (E - 2 * W + (W // SEGMENT) * (flags * 1024 + (1 - flags) * 784)) / (2 * W)
     print(f"{n} pages, {n * C * W * 2 / 1e9:.2f} GB raw; raw segments {flags:.4f}; "
           f"the load reads {link:.4f} of the raw bytes", flush=True)
-    pages = torch.randperm(P, device=dev, generator=gen)[:n]  # where they are restored
     slots = torch.arange(n, device=dev)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -6,8 +6,9 @@ Question: at the ~150 new tokens of a conversation's next turn (run in the 160-t
 Llama-3.1-8B's four GEMMs a layer (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) come
 closer to their floors (436 MB of weights: 97 us at ~4.5 TB/s; 70 GFLOP at 160 tokens: 91 us at 765 TFLOP/s)
 than cuBLAS's 160 us (the engine's profile, 2026-12-04: nvjet tiles of 96 or 192 tokens), with the features
-as the MMA's rows and the tokens in 128 + 32 columns? Expected (not measured): 120-140 us if the weight
-stream is what cuBLAS leaves on the table; at 256 tokens about level.
+as the MMA's rows and the tokens in 128 + 32 columns? Expected: 120-140 us if the weight stream is what
+cuBLAS leaves on the table; at 256 tokens about level. Got (2026-12-05, ``results/linear-narrow-h200-2026-12-05.json``):
+no; 161 us at 160 tokens at the best configs against cuBLAS's 146, behind at every token count.
 
 For each token count T and each shape, first every form is checked in bf16 against ``linear_ref``
 (max |err| / max |ref| <= 1.6e-2), then timed inside a CUDA graph of back-to-back calls over 8

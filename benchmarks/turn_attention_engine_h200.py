@@ -94,12 +94,24 @@ def kernel_us(fn, name_part: str) -> tuple[float, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--pool-pages", type=int, default=0,
+                        help="pages of each layer's K and V pool (default: the history's + 64; the engine's 10 GiB "
+                             "pool is 5,120)")
+    parser.add_argument("--order", choices=("random", "ascending", "descending"), default="random",
+                        help="the history's pages in the pool: a random draw, or one ascending / descending run")
+    parser.add_argument("--forms", default="", help="comma-separated forms to run (default: all)")
+    parser.add_argument("--weight-sets", type=int, default=WEIGHT_SETS,
+                        help="distinct sets of the four GEMMs' weights the layers cycle through (32: the model's)")
+    parser.add_argument("--tag", default="", help="appended to the output file's name")
     args = parser.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
     pages = -(-(HISTORY + N_NEW) // S)
-    P = pages + 64
-    table = torch.randperm(P, generator=gen, device=dev)[:pages].tolist()
+    P = max(args.pool_pages, pages + 64)
+    if args.order == "random":
+        table = torch.randperm(P, generator=gen, device=dev)[:pages].tolist()
+    else:
+        table = list(range(P - pages, P)) if args.order == "ascending" else list(range(P - 1, P - pages - 1, -1))
     kv = [(torch.randn(P, S, HKV, DH, generator=gen, device=dev).bfloat16(),
            torch.randn(P, S, HKV, DH, generator=gen, device=dev).bfloat16()) for _ in range(LAYERS)]
     q_all = torch.randn(BUCKET, H, DH, generator=gen, device=dev).bfloat16()
@@ -107,12 +119,13 @@ def main() -> int:
     ws = [{"qkv": torch.randn(6144, HID, device=dev, dtype=torch.bfloat16) * 0.02,
            "o": torch.randn(HID, HID, device=dev, dtype=torch.bfloat16) * 0.02,
            "gate_up": torch.randn(2 * FF, HID, device=dev, dtype=torch.bfloat16) * 0.02,
-           "down": torch.randn(HID, FF, device=dev, dtype=torch.bfloat16) * 0.02} for _ in range(WEIGHT_SETS)]
+           "down": torch.randn(HID, FF, device=dev, dtype=torch.bfloat16) * 0.02} for _ in range(args.weight_sets)]
     x = torch.randn(BUCKET, HID, device=dev, dtype=torch.bfloat16)
     xf = torch.randn(BUCKET, FF, device=dev, dtype=torch.bfloat16)
     result = {"meta": {"gpu": torch.cuda.get_device_name(), "date": str(datetime.date.today()),
                        "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
-                       "case": f"{N_NEW} new over {HISTORY} keys, bucket {BUCKET}, table {ENGINE_PAGES} pages"},
+                       "case": f"{N_NEW} new over {HISTORY} keys, bucket {BUCKET}, table {ENGINE_PAGES} pages",
+                       "pool_pages": P, "order": args.order},
               "forms": {}}
 
     def gemms(w):
@@ -121,7 +134,7 @@ def main() -> int:
     def layers(attend):
         def run():
             for layer in range(LAYERS):
-                gemms(ws[layer % WEIGHT_SETS])
+                gemms(ws[layer % len(ws)])
                 if attend is not None:
                     attend(layer)
         return run
@@ -130,6 +143,8 @@ def main() -> int:
     result["gemms_only_us_per_layer"] = round(gemms_only / LAYERS, 2)
     print(f"GEMMs alone: {gemms_only / LAYERS:.1f} us a layer", flush=True)
     for form, (meta, rows) in metas(table, dev).items():
+        if args.forms and form not in args.forms.split(","):
+            continue
         q = q_all[:rows]
         out = torch.empty_like(q)
         row = {"rows": rows, "launch": list(attention_turn._launch_shape(q, kv[0][0], meta, 132))}
@@ -161,7 +176,7 @@ def main() -> int:
         result["forms"][form] = row
         print(f"{form}: {json.dumps(row)}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"turn-attention-engine-h200-{datetime.date.today()}.json"
+    path = args.out / f"turn-attention-engine-h200{args.tag}-{datetime.date.today()}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
     return 0

@@ -56,9 +56,11 @@ class RestorePlanner:
     prefill_scale: float = 1.0
     # a host-RAM history may be split too: its head recomputed while the tail is copied in beside it, when
     # that ends sooner than copying all of it (the copy is the turn's whole time: ~70 ms for 27k tokens of
-    # Llama-3.1-8B, whose turn computes in ~12 ms of it). Off unless QML_HOST_SPLIT=1: not yet measured on
-    # a GPU (the copy's programs share the SMs with the recompute). ``beside_scale``: how much slower a
-    # prefill runs beside such a copy than the curve says (learnt from those steps; 1.5 until then).
+    # Llama-3.1-8B, whose turn computes in ~12 ms of it). Off unless QML_HOST_SPLIT=1: measured on the H200 it
+    # loses, 141-181 ms against 81 to copy everything (benchmarks/results/turn-h200-2026-12-05.md): the head
+    # is a step of its own before the turn's, which gives up the copy's layer-by-layer overlap with the turn,
+    # and a token costs ~10x more to recompute than to copy. ``beside_scale``: how much slower a prefill runs
+    # beside such a copy than the curve says (learnt from those steps; 1.5 until then).
     host_split: bool = field(default_factory=lambda: os.environ.get("QML_HOST_SPLIT") == "1")
     beside_scale: float = 1.5
 
