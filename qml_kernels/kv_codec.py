@@ -29,8 +29,10 @@ not its 1024. Other dtypes, and chunks whose W is not a multiple of 512, are not
 - ``kv_load``: encoded host rows (read in place from pinned memory) into pool pages, as ``page_copy`` does;
 - ``encode_chunks_ref`` / ``decode_chunks_ref``: the format in PyTorch (the CPU's path and every check).
 
-The runtime keeps its tiers' rows in this form with ``QML_KV_CODEC=1`` (``KVCache(codec=True)``; off by
-default until measured on a GPU).
+The runtime keeps its tiers' rows in this form with ``QML_KV_CODEC=1`` (``KVCache(codec=True)``). Off by
+default: measured in the engine on the H200, a 27k-token host-RAM turn took 85.7-96.5 ms with it against
+81.1-81.8 without (``benchmarks/results/turn-h200-2026-12-05.md``): with ~77% of the bytes over the link the
+decode, not the link, sets the pace.
 
 Sources: the bf16 format (IEEE 754 binary32's upper half); the measurement above (``notebooks/06_kv_store``
 and the note of session 22); the zero-copy copy kernels of ``qml_kernels.page_copy``.

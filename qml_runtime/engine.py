@@ -104,8 +104,9 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
                  freeze_heap: bool | None = None):
         self.model, self.tokenizer, self.model_config = model, tokenizer, model_config
         self.model_id, self.device, self.dtype = model_id, device, dtype
-        # QML_KV_CODEC=1: pages in host RAM and on disk in qml_kernels.kv_codec's lossless form (bf16; not yet
-        # measured on a GPU, so off by default)
+        # QML_KV_CODEC=1: pages in host RAM and on disk in qml_kernels.kv_codec's lossless form (bf16). Off by
+        # default: on the H200 the host-RAM turn took 86-96 ms with it against 81 without
+        # (benchmarks/results/turn-h200-2026-12-05.md)
         self.kv = KVCache(model_config, cache.num_blocks, cache.block_size, device, dtype,
                           codec=os.environ.get("QML_KV_CODEC") == "1")
         capacity = cache.num_blocks * cache.block_size
