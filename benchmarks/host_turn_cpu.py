@@ -91,16 +91,18 @@ class Timers:
     def __init__(self):
         self.turn: dict[str, float] = defaultdict(float)
         self.running: set[str] = set()
+        self.first: dict[str, float] = {}  # perf_counter at the turn's first call of each labelled method
 
     def wrap(self, owner, attr: str, label: str, inside: str | None = None) -> None:
         """``inside``: only calls made while the method labelled so runs count."""
         fn = getattr(owner, attr)
 
         def timed(*a, **kw):
-            if inside is not None and inside not in self.running:
-                return fn(*a, **kw)
+            if (inside is not None and inside not in self.running) or label in self.running:
+                return fn(*a, **kw)  # (outside its caller, or nested in a call under the same label)
             self.running.add(label)
             t0 = time.perf_counter()
+            self.first.setdefault(label, t0)
             try:
                 return fn(*a, **kw)
             finally:
@@ -123,7 +125,13 @@ def instrument(eng: Engine, per_block: bool = True) -> Timers:
         t.wrap(eng.tiers, "persist", "  persist")
         t.wrap(sched, "_admit", "admit")
         restore = [(eng.tiers, "plan", "  plan"), (eng.tiers, "restore_host", "  restore_host"),
-                   (eng.tiers, "_upload", "  upload"), (eng.blocks, "grow", "  grow")]
+                   (eng.tiers, "_upload", "  upload"), (eng.blocks, "grow", "  grow"),
+                   # a restore's pages since the copy goes first: taken, the evicted ones' spill, their names
+                   # dropped and their host entries' recency after the copy (``BlockManager.take``)
+                   (eng.blocks, "take", "  grow"), (eng.tiers, "spill_first", "  grow"),
+                   (eng.blocks, "forget", "  grow")]
+        if eng.tiers.host is not None:
+            restore.append((eng.tiers.host, "touch_all", "  grow"))
         if per_block:  # (before register_run, register was called once per block, each call then timed)
             restore += [(eng.blocks, "register", "  register"), (eng.blocks, "register_run", "  register")]
         for owner, attr, label in restore:
@@ -206,6 +214,7 @@ def main() -> None:
             if args.tier == "host":
                 fill_pool(eng, other)
             timers.turn.clear()
+            timers.first.clear()
             profiled = k >= args.turns
             hits = eng.scheduler.prefix_hits
             if profiled:
@@ -229,6 +238,12 @@ def main() -> None:
             compute += ms["  upload"]
             host = wall * 1e3 - compute
             ms["other"] = host - sum(ms[p] for p in PHASES if not p.startswith(" ") and p != "other")
+            # the engine thread's time from its schedule's start to the restore's copy (``_upload``: on the H200
+            # the first layer's copy is launched in it), and the same from the submit on the caller's thread
+            marks = timers.first
+            if "  upload" in marks:
+                ms["to_copy"] = (marks["  upload"] - marks["schedule"]) * 1e3
+                ms["submit_to_copy"] = (marks["  upload"] - t0) * 1e3
             rows.append({**ms, "total": wall * 1e3, "compute": compute, "host": host,
                          "host_ttft": ttft * 1e3 - compute, "cached": eng.scheduler.prefix_hits - hits})
         report(args, rows, prof)
@@ -239,8 +254,9 @@ def main() -> None:
 
 def report(args, rows: list[dict], prof: cProfile.Profile) -> None:
     cols = ["total", "compute", "host", "host_ttft"] + PHASES
-    if args.tier == "host":  # the restore's phases after "restorable"
+    if args.tier == "host":  # the restore's phases after "restorable", and when its copy began
         cols[cols.index("  restorable") + 1:cols.index("  restorable") + 1] = RESTORE
+        cols[4:4] = ["submit_to_copy", "to_copy"]
     print(f"\n{args.turns} turns over a {args.history}-token history in {args.tier} pages, {args.new} new ids each "
           f"({'eager' if args.eager else 'prefill-graph'} path, host tier {args.host_gib} GiB, "
           f"disk {'on' if args.disk else 'off'}); ms per turn")

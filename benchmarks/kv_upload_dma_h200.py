@@ -13,7 +13,8 @@ The host-RAM turn of the sessions bench copies ~1,708 pages of 2 MiB (3.58 GB) u
 - ``cudaMemcpyBatchAsync`` per layer (3,416 copies of 32 KiB each, scattered pages), through ctypes (refused
   here: it was called on the legacy default stream, which the batch API does not take;
   ``kv_upload_ce_h200.py`` calls it on a side stream);
-- one flat copy of the same bytes (the ceiling).
+- one flat copy of the same bytes (the ceiling);
+- page_copy over g layers a launch (g = 2 ... 32, and the graded ``halves``), as ``QML_RESTORE_GROUPS`` has it.
 
     python benchmarks/kv_upload_dma_h200.py     # writes $OUT/dma.json (or ./dma.json)
 """
@@ -120,6 +121,23 @@ def main() -> None:
         res[f"zero-copy layered {progs} progs"] = timed(zero_copy)
         if progs == 32:
             res["zero-copy ok"] = check(pages_scat, slots_cons)
+
+    # the same kernel over several layers a launch: a page's bytes of g layers are one host run of g x 64 KiB
+    # (the 2D copies below say the 32 KiB runs, not the kernel, cost the ~3.7 ms over a flat copy); "halves"
+    # is the runtime's graded form (QML_RESTORE_GROUPS=halves: 16, 8, 4, 2, 1, 1 layers), whose last layer
+    # alone keeps the turn's compute after the copy to one layer's
+    from qml_runtime.kv.tiers import layer_groups
+
+    config = PageCopyConfig(num_programs=64)
+    for name, sizes in (("2", [2] * 16), ("4", [4] * 8), ("8", [8] * 4), ("16", [16] * 2), ("32", [32]),
+                        ("halves", "halves")):
+        groups = layer_groups(C // 2, sizes)
+
+        def grouped(groups=groups):
+            for lo, hi in groups:
+                page_copy(pool, pd, host, sd, 2 * lo, 2 * hi, config=config)
+        res[f"zero-copy {name}-layer groups 64 progs"] = timed(grouped)
+    res["zero-copy groups ok"] = check(pages_scat, slots_cons)
 
     rt.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                                      ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]

@@ -258,3 +258,147 @@ def test_restore_takes_the_slots_located_just_before_unless_an_entry_left():
     other = pack([7] * S)  # the same name with other tokens (a collision): looked up again, a miss
     assert tiers.restore_host(names[:1], other, [1]) == 0 and len(lookups) == 5
     assert tiers.restore_host(names[:1], packed[:S * 4], [1]) == 1 and len(lookups) == 6  # located once only
+
+
+# --- a restore's pages: taken, its copy launched, then what they held forgotten ---
+
+
+def _block_manager_with_history(retain_some: bool):
+    """A pool of 12 pages: 9 named pages released (3 of them retained when ``retain_some``), 3 empty."""
+    from qml_runtime.kv.block_manager import BlockManager
+
+    blocks = BlockManager(12, S)
+    table = []
+    blocks.grow(table, 9 * S)
+    blocks.register_run(table, [b"n%02d" % i for i in range(9)], pack(range(9 * S)))
+    blocks.release(table[:6])
+    blocks.release(table[6:], retain=retain_some)
+    return blocks
+
+
+@pytest.mark.parametrize("retain_some", [False, True])
+def test_take_then_forget_leaves_what_grow_leaves(retain_some):
+    def state(b):
+        return (list(b._free), list(b._retained), list(b.ref), dict(b._by_name), list(b._name), list(b._packed))
+
+    grown, taken = _block_manager_with_history(retain_some), _block_manager_with_history(retain_some)
+    seen = []
+    grown.on_evict = seen.extend
+    table_a, table_b = [5], [5]  # (a cached page the tables hold already: not taken again)
+    grown.acquire([5])
+    taken.acquire([5])
+    grown.grow(table_a, 12 * S)  # 11 more: the 3 empty ones, then named ones oldest first, the retained last
+    evicted = taken.take(table_b, 12 * S)
+    assert list(evicted) == seen and table_a == table_b
+    assert all(taken.named(page) == (name, tokens) for page, name, tokens in evicted)  # still registered
+    assert all(taken.ref[page] == 1 for page in table_b[1:])
+    taken.forget(evicted)
+    assert state(grown) == state(taken)
+    with pytest.raises(MemoryError):
+        taken.take([], S)  # nothing free: nothing taken
+    assert state(grown) == state(taken)
+
+
+def test_spill_first_waits_for_the_pump_now_and_leaves_the_host_recency_for_after_the_copy(monkeypatch):
+    """Every evicted page in host RAM already: ``spill_first`` waits for the newest pump batch reading them (once)
+    and changes nothing else; its rest makes their host entries the most recent, in order. Then the tiers are
+    as ``spill`` page by page leaves them."""
+    from qml_runtime.kv.block_manager import Evicted
+    from qml_runtime.kv.cache import KVCache
+    from qml_runtime.kv.host_tier import HostTier
+    from qml_runtime.kv.tiers import KVTiers
+    from qml_runtime.presets import PRESETS
+
+    class Event:
+        def query(self):
+            return False
+
+    waits = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
+        "Stream", (), {"wait_event": lambda self, e: waits[-1].append(e)})())
+
+    def state(tiers):
+        return (list(tiers.host._lru.items()), dict(tiers._deferred), list(tiers._pending),
+                {page: batch for page, (batch, _) in tiers._saving.items()}, waits[-1] and len(waits[-1]))
+
+    runs = []
+    for first in (False, True):
+        kv = KVCache(PRESETS["tiny-llama"].config, 8, 4, "cpu", torch.float32)
+        tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=False), None)
+        tiers.persist([(p, b"name-%d" % p, pack([p] * 4), None) for p in range(6)])  # in host RAM, copied
+        old, new = Event(), Event()
+        tiers._saving = {0: (1, old), 3: (2, new), 5: (2, new)}
+        tiers._save_seq = 2
+        evicted = Evicted([3, 0, 4], [b"name-%d" % p for p in (3, 0, 4)], [pack([p] * 4) for p in (3, 0, 4)])
+        waits.append([])
+        if first:
+            before = state(tiers)[0]
+            rest = tiers.spill_first(evicted)
+            assert waits[-1] == [new] and state(tiers)[0] == before  # waited; the host order untouched
+            rest()
+        else:
+            for page, name, tokens in evicted:
+                tiers.spill(page, name, tokens)
+        runs.append(state(tiers))
+    assert runs[0] == runs[1]
+    assert [name for name, _ in runs[1][0]][-3:] == [b"name-3", b"name-0", b"name-4"]
+    assert runs[1][3] == {5: 2} and runs[1][4] == 1  # the pages evicted no longer wait for the pump
+
+
+def test_a_restore_copies_into_its_pages_before_their_old_names_go():
+    """The turn's copy from host RAM is launched while the pages it takes still carry the other conversation's
+    names (their bookkeeping comes after it); once scheduled, those names are gone and the history's are there."""
+    from qml_runtime.kv.prefix import chain
+
+    rng = random.Random(3)
+    history = [rng.randrange(512) for _ in range(5 * S + 3)]
+    sched, kv = _scheduler_with_host_tier()
+    _run(sched, history, b"a")
+    _run(sched, [rng.randrange(512) for _ in range(8 * S)], b"other")  # the history goes to host RAM
+    old_names = {page: sched.blocks.named(page) for page in range(sched.blocks.num_blocks)}
+    upload, at_copy = sched.tiers._upload, []
+
+    def recording(pages, sources, hold=False):
+        at_copy.append((list(pages), [sched.blocks.named(page) for page in pages]))
+        return upload(pages, sources, hold)
+
+    sched.tiers._upload = recording
+    seq = _run(sched, history + [1, 2], b"a")
+    assert seq.num_cached == 5 * S and len(at_copy) == 1
+    copied_into, named_then = at_copy[0]
+    assert len(copied_into) == 5 and named_then == [old_names[page] for page in copied_into] and all(named_then)
+    for page, name in zip(copied_into, chain(history, S, b"fp", b"a")):
+        assert sched.blocks.named(page)[0] == name
+    assert not {old_names[page][0] for page in copied_into} & set(sched.blocks._by_name)
+
+
+def test_layer_groups_cover_every_layer_once_in_order():
+    from qml_runtime.kv.tiers import layer_groups
+
+    assert layer_groups(4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert layer_groups(32, "halves") == [(0, 16), (16, 24), (24, 28), (28, 30), (30, 31), (31, 32)]
+    assert layer_groups(3, "halves") == [(0, 1), (1, 2), (2, 3)]
+    assert layer_groups(1, "halves") == [(0, 1)]
+    assert layer_groups(6, "4, 4") == [(0, 4), (4, 6)]  # clipped at the last layer
+    assert layer_groups(6, [2]) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)]  # the rest one a launch
+    for n in range(1, 40):
+        for sizes in ("", "halves", "3,1,7"):
+            groups = layer_groups(n, sizes)
+            assert [lo for lo, _ in groups] == [0] + [hi for _, hi in groups[:-1]] and groups[-1][1] == n
+    with pytest.raises(ValueError):
+        layer_groups(8, "4,0,4")
+
+
+def test_the_restore_admit_benchmark_restores_the_history_and_marks_the_copy():
+    """benchmarks/restore_admit_cpu.py on a small pool: the turn's history comes back from host RAM (its own
+    assertion), the copy's mark falls inside the schedule, and nothing of it runs on a GPU."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import restore_admit_cpu
+
+    args = argparse.Namespace(history=40 * S, new=5, blocks=48, chunk=256, repeats=1)
+    row = restore_admit_cpu.one_turn(args, random.Random(0))
+    assert 0 < row["to_copy"] <= row["schedule"]

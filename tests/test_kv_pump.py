@@ -10,6 +10,7 @@ import torch
 
 from qml_runtime.config import CacheConfig, SchedulerConfig
 from qml_runtime.engine import Engine
+from qml_runtime.kv.block_manager import Evicted
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.host_tier import HostTier
 from qml_runtime.kv.tiers import PUMP_SHARE, KVTiers
@@ -233,7 +234,7 @@ def test_spill_many_leaves_what_spills_one_by_one_leave(monkeypatch):
             for page, name, tokens in evicted:
                 tiers.spill(page, name, tokens)
         else:
-            tiers.spill_many(evicted)
+            tiers.spill_many(Evicted(*map(list, zip(*evicted))))
         runs.append(state(tiers))
     assert runs[0] == runs[1]
     assert waits[1] == [new] and not runs[1][4]  # one wait, for batch 2, which covers batch 1

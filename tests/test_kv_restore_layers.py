@@ -381,3 +381,31 @@ def test_on_a_gpu_a_split_tail_lands_in_its_pages_and_the_pool_waits_only_once_a
     for page, row in zip(pages, rows[2:]):
         assert torch.equal(kv.data[:, :, page].reshape(-1).view(torch.uint8).cpu(), row)
     tiers.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layered copy reads pinned host rows from a GPU")
+@pytest.mark.parametrize("groups", ["", "halves", "2,3"])
+def test_on_a_gpu_a_restore_in_layer_groups_lands_and_each_layer_waits_for_its_group(monkeypatch, groups):
+    """``QML_RESTORE_GROUPS``: one launch copies several layers; a layer's event is its group's (the last layer's
+    group ends the restore)."""
+    from qml_runtime.kv import tiers as tiers_module
+    from qml_runtime.kv.host_tier import HostTier
+    from qml_runtime.kv.tiers import KVTiers, layer_groups
+
+    monkeypatch.setattr(tiers_module, "RESTORE_GROUPS", groups)
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, 16, 4, "cuda", torch.float16)
+    tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=True), None)
+    blocks, rows = _host_blocks(tiers, 5)
+    names, packed = [n for n, _ in blocks], b"".join(t for _, t in blocks)
+    tiers.locate_run(names, packed)
+    pages = [11, 4, 9, 13, 2]
+    assert tiers.restore_host(names, packed, pages) == 5 and kv.restoring
+    events = kv._restoring
+    for lo, hi in layer_groups(cfg.num_layers, groups):
+        assert all(events[layer] is events[lo] for layer in range(lo, hi))
+        assert hi == cfg.num_layers or events[hi] is not events[lo]
+    kv.settle()
+    for page, row in zip(pages, rows):
+        assert torch.equal(kv.data[:, :, page].reshape(-1).view(torch.uint8).cpu(), row)
+    tiers.close()

@@ -18,10 +18,28 @@ the turn's packed tokens (``register_run``), without a tuple per block either.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
+from collections import OrderedDict, deque
 from typing import Callable
 
 from qml_runtime.kv.prefix import TOKEN_BYTES, as_packed
+
+
+class Evicted:
+    """The cached pages ``BlockManager.take`` handed out, in the order taken: three parallel lists (no tuple
+    per page: ~1,700 of them took ~0.25 ms of a restoring turn's scheduling on CPU). Iterating gives
+    (page, name, packed tokens)."""
+
+    __slots__ = ("pages", "names", "packed")
+
+    def __init__(self, pages: list[int], names: list[bytes], packed: list[bytes]):
+        self.pages, self.names, self.packed = pages, names, packed
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    def __iter__(self):
+        return zip(self.pages, self.names, self.packed)
 
 
 class BlockManager:
@@ -35,9 +53,9 @@ class BlockManager:
         # retained ones (sessions) only when no other free page is left
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._retained: OrderedDict[int, None] = OrderedDict()
-        # called with [(page, name, packed tokens)], once per ``grow``, for the cached pages it takes, before
+        # called with the ``Evicted`` pages, once per ``grow``, for the cached pages it takes, before
         # they are overwritten (spilled to a lower tier): a turn restoring a 27k-token history takes ~1,700
-        self.on_evict: Callable[[list[tuple[int, bytes, bytes]]], None] | None = None
+        self.on_evict: Callable[[Evicted], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -61,23 +79,43 @@ class BlockManager:
 
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Append fresh pages to ``block_table`` in place until it covers ``num_tokens`` tokens."""
-        need = self.blocks_needed(block_table, num_tokens)
-        if need > self.num_free:
-            raise MemoryError(f"KV cache: {need} pages needed, {self.num_free} free")
-        free, retained, ref = self._free, self._retained, self.ref
-        taken = [(free if free else retained).popitem(last=False)[0] for _ in range(need)]
-        page_name, page_packed = self._name, self._packed
-        evicted = [(page, page_name[page], page_packed[page]) for page in taken if page_name[page] is not None]
+        evicted = self.take(block_table, num_tokens)
         if evicted:
             if self.on_evict is not None:  # (their names still registered while it runs)
                 self.on_evict(evicted)
-            by_name = self._by_name
-            for page, name, _ in evicted:
-                del by_name[name]
-                page_name[page] = page_packed[page] = None
-        for page in taken:
-            ref[page] = 1
+            self.forget(evicted)
+
+    def take(self, block_table: list[int], num_tokens: int) -> Evicted:
+        """``grow``'s first half: fresh pages appended to ``block_table`` (held), and the cached ones among
+        them returned (their pages, names and packed tokens), still registered under their names. The caller hands
+        those to the tiers before anything overwrites the pages, then ``forget``s them, before any lookup
+        or registration. A restore from host RAM launches its copy in between: a 27k-token history takes
+        ~1,700 pages, and the turn waits for the copy, not for the bookkeeping of what those pages held
+        (``Scheduler._admit``; benchmarks/restore_admit_cpu.py)."""
+        need = self.blocks_needed(block_table, num_tokens)
+        if need > self.num_free:
+            raise MemoryError(f"KV cache: {need} pages needed, {self.num_free} free")
+        # the oldest free pages, then retained ones; each step below is one C loop over the ~1,700 pages a
+        # restored history takes (consumed by zero-length deques), not a Python step per page
+        taken = []
+        for pool in (self._free, self._retained):
+            some = list(itertools.islice(pool, need - len(taken)))
+            deque(map(pool.__delitem__, some), maxlen=0)
+            taken += some
+        deque(map(self.ref.__setitem__, taken, itertools.repeat(1)), maxlen=0)
         block_table.extend(taken)
+        # the cached ones: those with a name (a name is never empty)
+        names = list(map(self._name.__getitem__, taken))
+        if not any(names):
+            return Evicted([], [], [])
+        return Evicted(list(itertools.compress(taken, names)), list(filter(None, names)),
+                       list(itertools.compress(map(self._packed.__getitem__, taken), names)))
+
+    def forget(self, evicted: Evicted) -> None:
+        """Drop the names of pages ``take`` handed out cached (its return value)."""
+        deque(map(self._by_name.__delitem__, evicted.names), maxlen=0)
+        for page in evicted.pages:
+            self._name[page] = self._packed[page] = None
 
     def release(self, block_table: list[int], retain: bool = False) -> None:
         """Drop a sequence's hold on its pages. Its last pages become the oldest free ones:
@@ -104,6 +142,8 @@ class BlockManager:
         """Pages of the longest run of leading blocks cached: block i under ``names[i]``, with the tokens
         of ``packed``'s block i (``kv.prefix.pack``). A name whose page holds other tokens (a hash
         collision) is a miss, and the run ends before it."""
+        if not names or names[0] not in self._by_name:  # (a history gone to the tiers below: ~1,700 names)
+            return []
         pages = list(map(self._by_name.get, names))
         if None in pages:
             pages = pages[:pages.index(None)]

@@ -6,6 +6,7 @@ host RAM when ``host_split`` is on), whichever gives the first token soonest, fr
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -150,9 +151,8 @@ class RestorePlanner:
         # the leading host blocks copied now: the longest run whose copy beats computing it (a block
         # costs more to compute the later it lies, so the first blocks alone can be cheaper to compute
         # than to copy while the run as a whole is not)
-        run = 0
-        while run < n and tiers[run] == "host":
-            run += 1
+        # (the first block not in host RAM, found without a Python step per block)
+        run = next(itertools.compress(itertools.count(), map("host".__ne__, tiers)), n)
         # from the longest run down: the whole run nearly always wins at once (one evaluation, not
         # one per block: 1,708 of them took 26 ms of three 27k-token turns under cProfile on the H200)
         h = next((r for r in range(run, 0, -1) if r * host_block < self.prefill_seconds(start, r * bt)), 0)

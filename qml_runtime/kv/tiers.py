@@ -38,17 +38,21 @@ the disk store is handed the ids (``unpack``) when a block is written or read.
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import torch
 
+from qml_runtime.kv.block_manager import Evicted
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.disk_loads import LOADER_THREADS, DiskLoads
 from qml_runtime.kv.disk_store import DiskStore
@@ -79,9 +83,39 @@ RESTORE_PROGRAMS = 64
 # the copy of a split's tail runs beside the head's prefill, which wants every SM: its programs can be fewer
 # (32 moved the history at 49.5 GB/s against 50.5 with 64, above). Not yet measured beside a prefill.
 SPLIT_RESTORE_PROGRAMS = int(os.environ.get("QML_SPLIT_COPY_PROGRAMS", RESTORE_PROGRAMS))
+# QML_RESTORE_GROUPS: the restore's launches over several layers each (``layer_groups``): "halves" (16, 8, 4, 2,
+# 1, 1 of 32 layers) or sizes ("8,8,8,4,2,1,1"). A page's layers lie one after another in its host row, so a
+# launch over g layers reads runs of g x 64 KiB; one layer's 32 KiB runs moved 50.5 GB/s where one flat copy
+# moved 53.4 (kv-upload-dma-h200-2026-12-03.md: the 2D copies of the same runs were no faster than the kernel).
+# Off (one layer a launch) until measured: a layer's pages are read only when its whole group has landed.
+RESTORE_GROUPS = os.environ.get("QML_RESTORE_GROUPS", "")
 # bytes waiting for the disk writer (``pending_write_bytes``); past it the disk is behind: a persist is not written
 # through, and a host entry evicted before its write, or a row the writer borrowed, is given up rather than copied
 MAX_PENDING_WRITE_BYTES = 4 << 30
+
+
+def layer_groups(num_layers: int, sizes: str | Sequence[int] = "") -> list[tuple[int, int]]:
+    """The restore's launches as (first layer, end layer), in order, covering ``num_layers``: ``sizes`` a list
+    of group sizes or its comma-separated text (clipped at the last layer; layers left over go one a launch),
+    "halves" (half the layers, then half the rest, ..., down to one, and the last one alone: the compute
+    that waits for the last group is one layer's), or empty (one layer a launch)."""
+    if isinstance(sizes, str):
+        if sizes.strip() == "halves":
+            sizes, left = [], num_layers
+            while left > 1:
+                sizes.append(left // 2)
+                left -= left // 2
+        else:
+            sizes = [int(part) for part in sizes.split(",") if part.strip()]
+    if any(size < 1 for size in sizes):
+        raise ValueError(f"restore groups must hold one layer or more, got {list(sizes)}")
+    groups, lo = [], 0
+    for size in sizes:
+        if lo >= num_layers:
+            break
+        groups.append((lo, min(lo + size, num_layers)))
+        lo = groups[-1][1]
+    return groups + [(layer, layer + 1) for layer in range(lo, num_layers)]
 
 
 @dataclass
@@ -181,18 +215,35 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
 
     # --- down -------------------------------------------------------------------------
 
-    def spill_many(self, evicted: list[tuple[int, bytes, bytes]]) -> None:
-        """``spill`` for each (page, name, packed tokens), in order, with the usual case inline: a page whose
-        content is in host RAM already (kept when its request ended, its copy down queued or run) only
-        becomes the most recent there, and the pump batches still reading such pages are waited for
-        once, the newest (``_wait_saved``). A turn that restores a 27k-token history evicts ~1,700 such
-        pages; a ``spill`` call each (four calls deep) took ~3-5 ms of the H200 engine thread before the
-        restore's copies could start."""
-        if self.host is None or self.host.capacity == 0:
+    def spill_many(self, evicted: Evicted) -> None:
+        """``spill`` for each (page, name, packed tokens), in order (``spill_first``, then its rest at once)."""
+        self.spill_first(evicted)()
+
+    def spill_first(self, evicted: Evicted) -> Callable[[], None]:
+        """``spill_many``'s work that must come before the pages are overwritten; returns the rest, for the
+        caller to run once that overwrite is queued (a restore's copy into them) and before anything else
+        takes a host slot. The usual case: every page's content is in host RAM already (kept when its
+        request ended, its copy down queued or run), so only the pump batches still reading the pages are
+        waited for now (the newest, once: ``_wait_saved``), and making their host entries the most recent
+        is the rest. A turn that restores a 27k-token history evicts ~1,700 such pages; a ``spill`` call
+        each (four calls deep) took ~3-5 ms of the H200 engine thread before the restore's copies could
+        start, one loop over them (this fast path's first form) ~0.5 ms of this machine's. Otherwise
+        (a page not in host RAM, or kept and not copied yet) every page goes through ``spill`` in order,
+        the pump batches waited for before the first such page, and the rest is nothing."""
+        host = self.host
+        if host is None or host.capacity == 0:
             for page, name, tokens in evicted:
                 self.spill(page, name, tokens)
-            return
-        deferred, saving, touch, newest = self._deferred, self._saving, self.host.touch, None
+            return _nothing
+        pages, names = evicted.pages, evicted.names
+        if self._deferred.keys().isdisjoint(pages) and host.holds_all(names):
+            saving = self._saving
+            if saving:
+                batches = [saving.pop(page) for page in saving.keys() & set(pages)]
+                if batches:
+                    self._wait_saved(*max(batches, key=itemgetter(0)))
+            return functools.partial(host.touch_all, names)
+        deferred, saving, touch, newest = self._deferred, self._saving, host.touch, None
         for page, name, tokens in evicted:
             if page not in deferred and touch(name):
                 batch = saving.pop(page, None)
@@ -205,6 +256,7 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
             self.spill(page, name, tokens)
         if newest is not None:  # (before the step that overwrites the pages: the caller's)
             self._wait_saved(*newest)
+        return _nothing
 
     def spill(self, page: int, name: bytes, tokens: bytes) -> None:
         """A cached GPU page is about to be reused: keep its content in host RAM (or on disk).
@@ -600,8 +652,9 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
     def plan(self, tiers: Sequence[str], block_tokens: int, start: int = 0, after: int = 0) -> Plan:
         plan = self.planner.plan(tiers, self.block_bytes, block_tokens, start, after)
         self.stats.plans[plan.kind] += 1
-        self.stats.skipped_disk += sum(1 for t in tiers[plan.host_now:plan.host_now + plan.recompute] if t == "disk")
-        if tiers:
+        if plan.recompute:
+            self.stats.skipped_disk += tiers[plan.host_now:plan.host_now + plan.recompute].count("disk")
+        if tiers and log.isEnabledFor(logging.INFO):
             log.info("restore plan: %d blocks below the GPU -> %d from host now, %d recomputed, %d streamed in "
                      "(%s; est. %.1f ms vs %.1f ms to recompute all; rates: prefill %s, host %.1f GB/s, "
                      "disk %.2f GB/s)", len(tiers), plan.host_now, plan.recompute, plan.load, plan.kind,
@@ -690,21 +743,24 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         first.)"""
         if self.host is None or not (self._deferred_slots or self._pending):
             return
-        read = {slot for src, _, s, n in sources if src is self.host.slots for slot in range(s, s + n)}
-        self._copy_deferred_now([slot for slot in self._deferred_slots if slot in read])
+        read = self._slots_read(sources)
+        self._copy_deferred_now(sorted(self._deferred_slots.keys() & read))
         if self._pending.any_slot_in(read):
             self.flush_spills()
 
+    def _slots_read(self, sources) -> set[int]:
+        """The host-tier slots ``sources`` read (a set built without a Python step per slot: a 27k-token
+        history's ~1,700, before its restore's copy is launched)."""
+        return set(itertools.chain.from_iterable(range(s, s + n) for src, _, s, n in sources
+                                                 if src is self.host.slots))
+
     def _slot_waits(self, sources) -> list:
         """The spill copies still filling the host slots that ``sources`` read (once each)."""
-        waits = {}
-        for src, _, s, n in sources:
-            if self.host is not None and src is self.host.slots:
-                for slot in range(s, s + n):
-                    event = self._slot_events.get(slot)
-                    if event is not None:
-                        waits[id(event)] = event
-        return list(waits.values())
+        if self.host is None or not self._slot_events:
+            return []
+        events = self._slot_events
+        # (events hash by identity: each once)
+        return list(set(map(events.__getitem__, events.keys() & self._slots_read(sources))))
 
     def _compile_page_copy(self) -> None:
         """One copy of a page at start (the pool holds nothing yet): the kernel is compiled before a
@@ -753,11 +809,12 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
             # encoded rows are decoded into the pages as they are read (``kv_codec.kv_load``)
             copy, config = (kv_load, KVCodecConfig(num_programs=programs)) if self.kv.codec else \
                 (page_copy, PageCopyConfig(num_programs=programs))
-            for layer in range(self.kv.data.shape[0]):
-                copy(pool, pages_d, table, slots_d, 2 * layer, 2 * layer + 2, config=config)
-                event = torch.cuda.Event(enable_timing=layer == self.kv.data.shape[0] - 1)
+            layers = self.kv.data.shape[0]
+            for lo, hi in layer_groups(layers, RESTORE_GROUPS):
+                copy(pool, pages_d, table, slots_d, 2 * lo, 2 * hi, config=config)
+                event = torch.cuda.Event(enable_timing=hi == layers)
                 event.record()
-                events.append(event)
+                events += [event] * (hi - lo)  # a layer is read once its group has landed
         self._uploads += 1
         if not hold:
             self.kv.restore_events(events, self._uploads)

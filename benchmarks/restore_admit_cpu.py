@@ -1,0 +1,116 @@
+"""The engine thread's time from a host-RAM turn's schedule to its restore's copy, on CPU, without a model.
+
+On the H200 the next turn of a 27k-token conversation whose history sits in host RAM waits for its copy
+(3.58 GB, ~71 ms at ~50 GB/s) to start, and the copy starts only once the scheduler has found the history,
+planned the restore and taken ~1,700 pages for it (evicting another conversation's). Everything before that
+launch adds to the turn's TTFT one for one; everything after it hides behind the copy. ``host_turn_cpu.py
+--tier host`` measures this inside the whole engine (a model on CPU, ~1 min a start, a few % of noise per
+turn on a shared 2-core machine); here only the scheduler and the tiers run, so many turns can be timed.
+
+Each repeat builds a scheduler over ``--blocks`` pages with a host tier (the GPU's path: kept pages deferred
+and pumped down in place, the reference copies on CPU), runs a ``--history``-token conversation through it
+to its end (its pages kept in host RAM), lets another tenant's conversation take every page of the pool
+(evicting it; ended and kept too, its copies pumped down), then schedules the next turn (``--new`` fresh
+tokens) with the copy itself replaced by a marker: ``to_copy`` is the time from ``Scheduler.schedule``'s call
+to the copy's entry (``KVTiers._upload``), ``schedule`` the whole call, in ms. Medians over ``--repeats``.
+
+    python benchmarks/restore_admit_cpu.py                 # 40 repeats, ~1 min
+    PYTHONPATH=/path/to/other/tree python benchmarks/restore_admit_cpu.py   # another tree, same script
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+
+import torch
+
+from qml_runtime.config import SchedulerConfig
+from qml_runtime.kv.block_manager import BlockManager
+from qml_runtime.kv.cache import KVCache
+from qml_runtime.kv.host_tier import HostTier
+from qml_runtime.kv.prefix import pack
+from qml_runtime.kv.tiers import KVTiers
+from qml_runtime.presets import PRESETS
+from qml_runtime.sampling_params import SamplingParams
+from qml_runtime.scheduler import Scheduler
+from qml_runtime.sequence import Sequence
+
+
+def build(args) -> Scheduler:
+    # pages of 16 tokens of a 1-layer, 1-head, 8-dim cache: the bookkeeping of 1,700 pages, not their bytes
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, args.blocks, 16, "cpu", torch.float32)
+    host = HostTier(kv.block_bytes, 3 * args.blocks * kv.block_bytes, pin=False)
+    tiers = KVTiers(kv, host, None)
+    tiers.defer_persist = tiers.save_in_place = True  # the GPU's path (the reference copies on CPU)
+    blocks = BlockManager(args.blocks, 16)
+    blocks.on_evict = tiers.spill_many
+    return Scheduler(SchedulerConfig(max_batched_tokens=args.chunk), blocks, b"fp", tiers=tiers)
+
+
+def run_to_end(sched: Scheduler, tokens: list[int], salt: bytes) -> Sequence:
+    """A request scheduled chunk by chunk to its end (pages computed in place), finished and kept in host RAM
+    as the engine keeps it (``KVTiers.persist``, then the pump)."""
+    seq = Sequence("r", tokens, SamplingParams(max_tokens=1), None, salt=salt)
+    sched.add(seq)
+    while seq.num_computed < seq.num_tokens:
+        batch = sched.schedule()
+        sched.tiers.flush_spills()
+        for q, n in zip(batch.seqs, batch.num_tokens):
+            q.num_computed += n
+            sched.commit(q)
+    table, names = list(seq.block_table), list(seq.block_names)
+    sched.finish(seq, "stop")
+    sched.tiers.persist([(p, *sched.blocks.named(p), names[i - 1] if i else None)
+                         for i, p in enumerate(table) if sched.blocks.named(p) is not None])
+    while sched.tiers.pump(max_pages=10**6):
+        pass
+    return seq
+
+
+def one_turn(args, rng: random.Random) -> dict[str, float]:
+    sched = build(args)
+    history = [rng.randrange(32000) for _ in range(args.history)]
+    run_to_end(sched, history, b"a")
+    run_to_end(sched, [rng.randrange(32000) for _ in range(args.blocks * 16 - 1)], b"b")  # takes every page
+    prompt = history + [rng.randrange(32000) for _ in range(args.new)]
+    # packed on the caller's thread, as ``Engine.submit`` hands it over
+    seq = Sequence("turn", prompt, SamplingParams(max_tokens=1), None, salt=b"a", packed_prompt=pack(prompt))
+    marks = {}
+
+    def upload(pages, sources, hold=False):
+        marks.setdefault("copy", time.perf_counter())
+
+    sched.tiers._upload = upload
+    sched.add(seq)
+    gc.collect()
+    t0 = time.perf_counter()
+    batch = sched.schedule()
+    t1 = time.perf_counter()
+    assert batch.seqs == [seq] and seq.num_cached >= args.history - 16, "the history was not restored"
+    return {"to_copy": (marks["copy"] - t0) * 1e3, "schedule": (t1 - t0) * 1e3}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--history", type=int, default=27000)
+    p.add_argument("--new", type=int, default=150)
+    p.add_argument("--blocks", type=int, default=2400, help="pages of 16 tokens in the pool")
+    p.add_argument("--chunk", type=int, default=8192, help="max batched tokens")
+    p.add_argument("--repeats", type=int, default=40)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    rows = [one_turn(args, rng) for _ in range(args.repeats)]
+    for key in ("to_copy", "schedule"):
+        values = sorted(r[key] for r in rows)
+        print(f"{key:>9}: median {statistics.median(values):.3f} ms, quartiles {values[len(values) // 4]:.3f}"
+              f"-{values[3 * len(values) // 4]:.3f}, min {values[0]:.3f} ({len(values)} turns)")
+
+
+if __name__ == "__main__":
+    main()
