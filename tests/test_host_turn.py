@@ -402,3 +402,17 @@ def test_the_restore_admit_benchmark_restores_the_history_and_marks_the_copy():
     args = argparse.Namespace(history=40 * S, new=5, blocks=48, chunk=256, repeats=1)
     row = restore_admit_cpu.one_turn(args, random.Random(0))
     assert 0 < row["to_copy"] <= row["schedule"]
+
+
+def test_int64_rows_is_torch_tensor_of_the_lists():
+    from qml_runtime.kv.tiers import int64_rows
+
+    rng = random.Random(2)
+    for n in (0, 1, 1700):
+        rows = [[rng.randrange(2**40) for _ in range(n)] for _ in range(2)]
+        assert torch.equal(int64_rows(*rows), torch.tensor(rows, dtype=torch.int64).view(2, n))
+        assert torch.equal(int64_rows(rows[0]), torch.tensor(rows[:1], dtype=torch.int64).view(1, n))
+    one = [5, 6]
+    got = int64_rows(one)
+    one.append(7)  # the tensor keeps its own copy of the ids
+    assert got.tolist() == [[5, 6]]

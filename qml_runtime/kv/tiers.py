@@ -44,6 +44,7 @@ import logging
 import os
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -92,6 +93,20 @@ RESTORE_GROUPS = os.environ.get("QML_RESTORE_GROUPS", "")
 # bytes waiting for the disk writer (``pending_write_bytes``); past it the disk is behind: a persist is not written
 # through, and a host entry evicted before its write, or a row the writer borrowed, is given up rather than copied
 MAX_PENDING_WRITE_BYTES = 4 << 30
+
+
+def int64_rows(*rows: list[int], pin: bool = False) -> torch.Tensor:
+    """Lists of Python ints, all of one length, as an int64 tensor ``[len(rows), n]`` (in pinned memory when
+    ``pin``), through an ``array("q")``: torch.tensor on the lists took 0.31 ms for a restore's 2 x 1,700
+    page and slot ids on CPU, this ~0.04, and the restore's copy is launched right after it."""
+    flat = array("q", rows[0])
+    for row in rows[1:]:
+        flat.extend(row)
+    if not flat:
+        out = torch.empty((len(rows), 0), dtype=torch.int64)
+    else:
+        out = torch.frombuffer(flat, dtype=torch.int64).view(len(rows), -1)  # (holds ``flat``)
+    return out.pin_memory() if pin else out
 
 
 def layer_groups(num_layers: int, sizes: str | Sequence[int] = "") -> list[tuple[int, int]]:
@@ -372,8 +387,7 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         from qml_kernels.page_copy import PageCopyConfig, page_save
 
         dev = self.kv.data.device
-        index = torch.tensor([[p for p, _ in batch], [s for _, s in batch]], dtype=torch.int64,
-                             pin_memory=self._cuda)
+        index = int64_rows(list(map(itemgetter(0), batch)), list(map(itemgetter(1), batch)), pin=self._cuda)
         pool, table = self.kv.chunk_views(self.host.slots)
         with self._side(after):
             index = index.to(dev, non_blocking=self._cuda)
@@ -562,7 +576,7 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
     def _gather(self, pages: list[int], settle: bool = True) -> torch.Tensor:
         self._observe_uploads()
         # pinned: a copy from pageable memory may wait for the stream (a persist beside a prefill step)
-        index = torch.tensor(pages, dtype=torch.int64, pin_memory=self._cuda)
+        index = int64_rows(pages, pin=self._cuda)[0]
         return self.kv.gather_pages(index.to(self.kv.data.device, non_blocking=True), settle=settle)
 
     def _side(self, after=None):
@@ -727,7 +741,7 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
                 lo, hi = max(d, i), min(d + n, i + n_pages)
                 if lo < hi:
                     staging[lo - i:hi - i].copy_(src[s + lo - d:s + hi - d], non_blocking=self._cuda)
-            index = torch.tensor(pages[i:i + n_pages], dtype=torch.int64).to(dev, non_blocking=True)
+            index = int64_rows(pages[i:i + n_pages])[0].to(dev, non_blocking=True)
             self.kv.scatter_pages(index, staging)
         if self._cuda:
             end = torch.cuda.Event(enable_timing=True)
@@ -797,7 +811,7 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         slot_of = [0] * width
         for _, d, s, n in sources:
             slot_of[d:d + n] = range(s, s + n)
-        index = torch.tensor([pages + [0] * (width - len(pages)), slot_of], dtype=torch.int64, pin_memory=True)
+        index = int64_rows(pages + [0] * (width - len(pages)), slot_of, pin=True)
         pool, table = self.kv.chunk_views(self.host.slots)
         events = []
         with torch.cuda.stream(stream):
