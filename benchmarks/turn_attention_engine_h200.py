@@ -16,6 +16,12 @@ slow as its 4-run launch (two waves of programs, 220 us). Candidates, each a for
   cuBLAS, distinct weights and KV per layer, as the engine's graph runs them), its time minus the GEMMs'
   alone, and the cuDNN kernel's own time read from the profiler over one replay.
 
+- where the pages lie (none of the forms above reproduced the 228 us on 2026-12-05): ``--pool-pages`` (the
+  engine's 5,120), ``--order`` (the engine's history is one ascending run from its FIFO free list),
+  ``--weight-sets`` (the model's 32 sets of weights beside the pool) and ``--pool-layout engine`` (each
+  layer's K and V as views of one ``[L, 2, P, S, Hkv, D]`` tensor, as ``KVCache`` holds them, a layer's K and
+  V pages 160 MiB apart at 5,120 pages, rather than separate allocations).
+
 Every form's output is checked against ``paged_attention_ref`` first (fp32; the graph-meta form on its
 150 real rows). Times from CUDA graphs (``gemv_h200.graph_us``: 5 replays, median).
 
@@ -102,6 +108,10 @@ def main() -> int:
     parser.add_argument("--forms", default="", help="comma-separated forms to run (default: all)")
     parser.add_argument("--weight-sets", type=int, default=WEIGHT_SETS,
                         help="distinct sets of the four GEMMs' weights the layers cycle through (32: the model's)")
+    parser.add_argument("--pool-layout", choices=("separate", "engine"), default="separate",
+                        help="each layer's K and V their own allocation, or views of one [L, 2, P, S, Hkv, D] "
+                             "tensor as the engine's KVCache has them (a layer's K and V pages then lie P pages "
+                             "apart, 160 MiB at 5,120 pages)")
     parser.add_argument("--tag", default="", help="appended to the output file's name")
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -112,8 +122,12 @@ def main() -> int:
         table = torch.randperm(P, generator=gen, device=dev)[:pages].tolist()
     else:
         table = list(range(P - pages, P)) if args.order == "ascending" else list(range(P - 1, P - pages - 1, -1))
-    kv = [(torch.randn(P, S, HKV, DH, generator=gen, device=dev).bfloat16(),
-           torch.randn(P, S, HKV, DH, generator=gen, device=dev).bfloat16()) for _ in range(LAYERS)]
+    if args.pool_layout == "engine":
+        data = torch.empty(LAYERS, 2, P, S, HKV, DH, device=dev, dtype=torch.bfloat16).normal_(generator=gen)
+        kv = [(data[layer, 0], data[layer, 1]) for layer in range(LAYERS)]
+    else:
+        kv = [(torch.randn(P, S, HKV, DH, generator=gen, device=dev).bfloat16(),
+               torch.randn(P, S, HKV, DH, generator=gen, device=dev).bfloat16()) for _ in range(LAYERS)]
     q_all = torch.randn(BUCKET, H, DH, generator=gen, device=dev).bfloat16()
     scale = 1.0 / math.sqrt(DH)
     ws = [{"qkv": torch.randn(6144, HID, device=dev, dtype=torch.bfloat16) * 0.02,
@@ -125,7 +139,7 @@ def main() -> int:
     result = {"meta": {"gpu": torch.cuda.get_device_name(), "date": str(datetime.date.today()),
                        "torch": torch.__version__, "triton": triton.__version__, "command": " ".join(sys.argv),
                        "case": f"{N_NEW} new over {HISTORY} keys, bucket {BUCKET}, table {ENGINE_PAGES} pages",
-                       "pool_pages": P, "order": args.order},
+                       "pool_pages": P, "order": args.order, "pool_layout": args.pool_layout},
               "forms": {}}
 
     def gemms(w):
