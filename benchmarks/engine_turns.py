@@ -5,6 +5,7 @@ turn of a 27k-token conversation, its history in host RAM or in GPU memory, time
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 from engine_common import _kernel_rows, _loop_counters, _served_engine, _timed_request, record
@@ -78,6 +79,7 @@ def section_hostturn(args, device) -> None:
         hist = hist + ids(219)
         was, restored = _loop_counters(engine), engine.tiers.stats.restored_host
         backlog = _backlog(engine)  # when the turn arrives
+        t_submit = None  # (set for the turns timed without a profiler or sampler)
         if timers is not None:
             timers.mark()
         if (args.sample_stacks or timeline is not None) and i == 0:
@@ -117,13 +119,18 @@ def section_hostturn(args, device) -> None:
             (args.out / "hostturn-profile-cpu.txt").write_text(cpu)
             print(cpu, flush=True)
         else:
+            t_submit = time.perf_counter()
             t = _timed_request(engine, hist, one)[0] * 1e3
         now = _loop_counters(engine)
         split = {k: round((now[k] - was[k]) * 1e3, 2) for k in ("schedule", "step", "post", "launch")}
         st = engine.tiers.stats
         calls = timers.delta() if timers is not None else None
         spans = timers.span_list() if timers is not None else None
-        turns.append({"ttft_ms": round(t, 2), "restored_pages": st.restored_host - restored, "calls": calls,
+        # from the submit to the restore's first copy (unprofiled turns): what the turn waits for before its copy
+        launched = engine.tiers.restore_launched
+        to_copy = round((launched - t_submit) * 1e3, 2) if t_submit is not None and launched > t_submit else None
+        turns.append({"ttft_ms": round(t, 2), "to_copy_ms": to_copy, "restored_pages": st.restored_host - restored,
+                      "calls": calls,
                       "spans": spans,
                       "spilled_host": st.spilled_host, "kept_host": st.kept_host,
                       "steps": now["steps"] - was["steps"], "loop_ms": split, "backlog": backlog,

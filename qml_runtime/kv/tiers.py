@@ -202,6 +202,9 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
         # ``restore_host`` and a split's copy (``start_load``)
         self._located: tuple[list[bytes], bytes, list[int], int] | None = None
         self._uploads = 0  # restores launched (layered): the later one's events cover the earlier's copies
+        # perf_counter when the last restore's first copy was queued: a turn restored from host RAM waits for its
+        # copy, so what comes before this is on its path (benchmarks/engine_turns.py reports it from the submit)
+        self.restore_launched = 0.0
         self._dropped: list = []  # loads whose sequence left while their disk reads ran (``drop_load``)
         if disk is not None:
             load_rates(self.planner, disk.dir)
@@ -743,6 +746,8 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
                     staging[lo - i:hi - i].copy_(src[s + lo - d:s + hi - d], non_blocking=self._cuda)
             index = int64_rows(pages[i:i + n_pages])[0].to(dev, non_blocking=True)
             self.kv.scatter_pages(index, staging)
+            if i == 0:
+                self.restore_launched = time.perf_counter()
         if self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -826,6 +831,8 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
             layers = self.kv.data.shape[0]
             for lo, hi in layer_groups(layers, RESTORE_GROUPS):
                 copy(pool, pages_d, table, slots_d, 2 * lo, 2 * hi, config=config)
+                if lo == 0:
+                    self.restore_launched = time.perf_counter()
                 event = torch.cuda.Event(enable_timing=hi == layers)
                 event.record()
                 events += [event] * (hi - lo)  # a layer is read once its group has landed
