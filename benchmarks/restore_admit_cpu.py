@@ -12,9 +12,12 @@ and pumped down in place, the reference copies on CPU), runs a ``--history``-tok
 to its end (its pages kept in host RAM), lets another tenant's conversation take every page of the pool
 (evicting it; ended and kept too, its copies pumped down), then schedules the next turn (``--new`` fresh
 tokens) with the copy itself replaced by a marker: ``to_copy`` is the time from ``Scheduler.schedule``'s call
-to the copy's entry (``KVTiers._upload``), ``schedule`` the whole call, in ms. Medians over ``--repeats``.
+to the copy's entry (``KVTiers._upload``; with ``--layered``, to the first ``page_copy`` launch of the GPU's
+path, ``KVTiers._upload_layers``, run on CPU with stand-ins for CUDA's streams and events), ``schedule`` the
+whole call, in ms. Medians over ``--repeats``.
 
     python benchmarks/restore_admit_cpu.py                 # 40 repeats, ~1 min
+    python benchmarks/restore_admit_cpu.py --layered       # up to the GPU path's first copy launch
     PYTHONPATH=/path/to/other/tree python benchmarks/restore_admit_cpu.py   # another tree, same script
 """
 
@@ -72,6 +75,34 @@ def run_to_end(sched: Scheduler, tokens: list[int], salt: bytes) -> Sequence:
     return seq
 
 
+class _Stream:
+    """A CUDA stream or event stand-in: what the layered restore calls on them does nothing here."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: True
+
+
+def fake_cuda() -> None:
+    """``--layered``: ``KVTiers._upload_layers`` runs on CPU, its streams and events stand-ins, its pinned index
+    plain memory: the host's Python of the H200's restore path is timed up to its first ``page_copy`` call."""
+    import contextlib
+
+    from qml_runtime.kv import tiers as tiers_module
+
+    torch.cuda.current_stream = lambda device=None: _Stream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.Event = _Stream
+    if hasattr(tiers_module, "int64_rows"):
+        rows = tiers_module.int64_rows
+        tiers_module.int64_rows = lambda *r, pin=False: rows(*r)
+    else:  # (a tree from before int64_rows: torch.tensor(..., pin_memory=True))
+        tensor = torch.tensor
+        torch.tensor = lambda *a, pin_memory=False, **k: tensor(*a, **k)
+
+
 def one_turn(args, rng: random.Random) -> dict[str, float]:
     sched = build(args)
     history = [rng.randrange(32000) for _ in range(args.history)]
@@ -81,11 +112,20 @@ def one_turn(args, rng: random.Random) -> dict[str, float]:
     # packed on the caller's thread, as ``Engine.submit`` hands it over
     seq = Sequence("turn", prompt, SamplingParams(max_tokens=1), None, salt=b"a", packed_prompt=pack(prompt))
     marks = {}
+    if args.layered:  # the GPU's path up to its first copy's launch, with stand-ins for CUDA (``fake_cuda``)
+        import qml_kernels.page_copy
 
-    def upload(pages, sources, hold=False):
-        marks.setdefault("copy", time.perf_counter())
+        def copy(*a, **k):
+            marks.setdefault("copy", time.perf_counter())
 
-    sched.tiers._upload = upload
+        qml_kernels.page_copy.page_copy = copy  # (imported by ``_upload_layers`` when it runs)
+        tiers = sched.tiers
+        tiers._in_place, tiers._restore_stream = True, _Stream()
+    else:
+        def upload(pages, sources, hold=False):
+            marks.setdefault("copy", time.perf_counter())
+
+        sched.tiers._upload = upload
     sched.add(seq)
     gc.collect()
     t0 = time.perf_counter()
@@ -102,7 +142,12 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=2400, help="pages of 16 tokens in the pool")
     p.add_argument("--chunk", type=int, default=8192, help="max batched tokens")
     p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--layered", action="store_true",
+                   help="time up to the GPU path's first page_copy call (KVTiers._upload_layers, CUDA faked), "
+                        "not up to KVTiers._upload")
     args = p.parse_args()
+    if args.layered:
+        fake_cuda()
     torch.set_num_threads(1)
     rng = random.Random(0)
     rows = [one_turn(args, rng) for _ in range(args.repeats)]
