@@ -271,7 +271,6 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         packed = _packed_ids(prompt_ids, vocab)
         if packed is None:
             raise InvalidParameter("prompt", f"prompt token ids must be integers in [0, {vocab})")
-        prompt_ids = prompt_ids.tolist() if isinstance(prompt_ids, array) else prompt_ids
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise InvalidParameter("logit_bias", f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")

@@ -90,7 +90,7 @@ class LogitsProcessor:
         slot = self._free.pop()
         # once per sequence: its history so far (the prompt, and any output of a sequence
         # whose first sample came after a preemption)
-        ids = torch.tensor(seq.token_ids, dtype=torch.int64, device=self.device)
+        ids = torch.tensor(list(seq.token_ids), dtype=torch.int64, device=self.device)
         P = seq.num_prompt_tokens
         self.in_prompt[slot].zero_().index_fill_(0, ids[:P], True)
         self.counts[slot] = torch.bincount(ids[P:], minlength=V).to(torch.int32)

@@ -399,7 +399,7 @@ def test_the_restore_admit_benchmark_restores_the_history_and_marks_the_copy():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import restore_admit_cpu
 
-    args = argparse.Namespace(history=40 * S, new=5, blocks=48, chunk=256, repeats=1)
+    args = argparse.Namespace(history=40 * S, new=5, blocks=48, chunk=256, repeats=1, layered=False)
     row = restore_admit_cpu.one_turn(args, random.Random(0))
     assert 0 < row["to_copy"] <= row["schedule"]
 
@@ -416,3 +416,55 @@ def test_int64_rows_is_torch_tensor_of_the_lists():
     got = int64_rows(one)
     one.append(7)  # the tensor keeps its own copy of the ids
     assert got.tolist() == [[5, 6]]
+
+
+@pytest.mark.parametrize("kind", ["list", "array"])
+def test_token_ids_read_as_the_list_they_stand_for(kind):
+    """``Sequence.token_ids``: the prompt kept as it came (a uint32 array stays one), the ids after it in a list;
+    every read the engine makes (indices, slices, length, iteration) answers as the plain list would, and
+    only ids after the prompt change."""
+    from array import array
+
+    from qml_runtime.sequence import TokenIds
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(2**20) for _ in range(9)]
+    ids, ref = TokenIds(array("I", prompt) if kind == "array" else prompt), list(prompt)
+    prompt.append(1)  # the caller's list is not the sequence's
+    for token in (7, -1, 8):  # (-1: the engine's placeholder)
+        ids.append(token)
+        ref.append(token)
+    ids[-2] = ref[-2] = 5
+    assert ids == ref and len(ids) == len(ref) and list(ids) == ref
+    n = len(ref)
+    for a in range(-n - 2, n + 3):
+        if -n <= a < n:
+            assert ids[a] == ref[a]
+        for b in range(-n - 2, n + 3):
+            for step in (None, 1, 3, -1):
+                got = ids[a:b:step]
+                assert got == ref[a:b:step] and type(got) is list
+    assert ids + [4] == ref + [4] and [4] + ids == [4] + ref
+    assert ids.pop() == ref.pop() and ids == ref
+    with pytest.raises(IndexError):
+        ids[0] = 3  # a prompt's ids do not change
+    with pytest.raises(IndexError):
+        ids[n]
+    ids.pop(), ids.pop()
+    with pytest.raises(IndexError):
+        ids.pop()  # only ids after the prompt come off
+    assert isinstance(ids._prompt, array) == (kind == "array")
+
+
+def test_a_uint32_prompt_reaches_the_sequence_without_becoming_python_ints(engine):
+    """The server's prompts come as uint32 arrays: the sequence keeps the array (no per-id int objects on the
+    request's path), and the request answers as the same prompt given as a list does."""
+    from array import array
+
+    from qml_runtime.sampling_params import SamplingParams
+
+    prompt = list(range(40, 90))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    seq = engine._new_sequence(array("I", prompt), params, "r")
+    assert isinstance(seq.token_ids._prompt, array) and seq.token_ids == prompt
+    assert engine.generate_sync(array("I", prompt), params).token_ids == engine.generate_sync(prompt, params).token_ids
