@@ -47,6 +47,11 @@ def serve(port: int, chat: bool = False) -> None:
     import qml_server.routes_completions as route
     from qml_runtime.engine import _packed_ids
     from qml_runtime.presets import ByteTokenizer
+
+    try:
+        from qml_runtime.sequence import TokenIds
+    except ImportError:
+        TokenIds = None
     from qml_runtime.sampling_params import RequestOutput
     from qml_server.app import create_app
     from qml_server.lifecycle import serve as run_app
@@ -79,7 +84,10 @@ def serve(port: int, chat: bool = False) -> None:
         async def generate(self, prompt_ids, params, request_id, **_):
             # what Engine.submit does on the caller's thread with the ids: check and pack them, and make the
             # list the sequence keeps (freed once the request has ended: by the outer app, after the response)
-            held.append(prompt_ids.tolist() if isinstance(prompt_ids, array) else list(prompt_ids))
+            if TokenIds is not None:  # (a uint32 array stays one: Sequence.token_ids)
+                held.append(TokenIds(prompt_ids if isinstance(prompt_ids, array) else list(prompt_ids)))
+            else:  # (a tree from before TokenIds: the sequence's list of ints)
+                held.append(prompt_ids.tolist() if isinstance(prompt_ids, array) else list(prompt_ids))
             if _packed_ids(prompt_ids, VOCAB) is None:
                 raise ValueError("bad ids")
             stamps["engine"] = time.perf_counter()
@@ -220,9 +228,10 @@ def measure(args: argparse.Namespace) -> None:
         print(" ".join(f"{h:>13}" for h in head))
         for n in sizes:
             print(" ".join(f"{v:>13}" for v in [n] + [f"{x:.3f}" for x in rows[n]]))
-        fixed, per_k = zip(*(fit(sizes, [rows[n][j] for n in sizes]) for j in range(len(head) - 1)))
-        print(" ".join(f"{v:>13}" for v in ["fixed"] + [f"{a:.3f}" for a in fixed]))
-        print(" ".join(f"{v:>13}" for v in ["per 1k tok"] + [f"{b * 1e3:.3f}" for b in per_k]))
+        if len(set(sizes)) > 1:  # (one size: no line to fit)
+            fixed, per_k = zip(*(fit(sizes, [rows[n][j] for n in sizes]) for j in range(len(head) - 1)))
+            print(" ".join(f"{v:>13}" for v in ["fixed"] + [f"{a:.3f}" for a in fixed]))
+            print(" ".join(f"{v:>13}" for v in ["per 1k tok"] + [f"{b * 1e3:.3f}" for b in per_k]))
         if args.profile:
             client.http.get(base + "/bench/profile?true")
             conversation = Conversation(args.profile) if args.chat else None
