@@ -16,7 +16,7 @@ to the copy's entry (``KVTiers._upload``; with ``--layered``, to the first ``pag
 path, ``KVTiers._upload_layers``, run on CPU with stand-ins for CUDA's streams and events), ``schedule`` the
 whole call, in ms. Medians over ``--repeats``.
 
-    python benchmarks/restore_admit_cpu.py                 # 40 repeats, ~1 min
+    python benchmarks/restore_admit_cpu.py                 # 40 repeats, ~10 s
     python benchmarks/restore_admit_cpu.py --layered       # up to the GPU path's first copy launch
     PYTHONPATH=/path/to/other/tree python benchmarks/restore_admit_cpu.py   # another tree, same script
 """
@@ -44,7 +44,7 @@ from qml_runtime.sequence import Sequence
 
 
 def build(args) -> Scheduler:
-    # pages of 16 tokens of a 1-layer, 1-head, 8-dim cache: the bookkeeping of 1,700 pages, not their bytes
+    # pages of 16 tokens of tiny-llama's small cache: the bookkeeping of 1,700 pages is timed, not their bytes
     cfg = PRESETS["tiny-llama"].config
     kv = KVCache(cfg, args.blocks, 16, "cpu", torch.float32)
     host = HostTier(kv.block_bytes, 3 * args.blocks * kv.block_bytes, pin=False)
