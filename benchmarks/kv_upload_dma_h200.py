@@ -126,7 +126,7 @@ def main() -> None:
     # (the 2D copies below say the 32 KiB runs, not the kernel, cost the ~3.7 ms over a flat copy); "halves"
     # is the runtime's graded form (QML_RESTORE_GROUPS=halves: 16, 8, 4, 2, 1, 1 layers), whose last layer
     # alone keeps the turn's compute after the copy to one layer's
-    from qml_runtime.kv.tiers import layer_groups
+    from qml_runtime.kv.host_restores import layer_groups
 
     config = PageCopyConfig(num_programs=64)
     for name, sizes in (("2", [2] * 16), ("4", [4] * 8), ("8", [8] * 4), ("16", [16] * 2), ("32", [32]),

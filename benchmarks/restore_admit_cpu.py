@@ -90,15 +90,15 @@ def fake_cuda() -> None:
     plain memory: the host's Python of the H200's restore path is timed up to its first ``page_copy`` call."""
     import contextlib
 
-    from qml_runtime.kv import tiers as tiers_module
-
     torch.cuda.current_stream = lambda device=None: _Stream()
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.cuda.Event = _Stream
-    if hasattr(tiers_module, "int64_rows"):
-        rows = tiers_module.int64_rows
-        tiers_module.int64_rows = lambda *r, pin=False: rows(*r)
-    else:  # (a tree from before int64_rows: torch.tensor(..., pin_memory=True))
+    try:  # the restore's index, built where ``_upload_layers`` looks it up
+        from qml_runtime.kv import host_restores
+
+        rows = host_restores.int64_rows
+        host_restores.int64_rows = lambda *r, pin=False: rows(*r)
+    except ImportError:  # (a tree from before host_restores: torch.tensor(..., pin_memory=True))
         tensor = torch.tensor
         torch.tensor = lambda *a, pin_memory=False, **k: tensor(*a, **k)
 

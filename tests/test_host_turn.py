@@ -373,7 +373,7 @@ def test_a_restore_copies_into_its_pages_before_their_old_names_go():
 
 
 def test_layer_groups_cover_every_layer_once_in_order():
-    from qml_runtime.kv.tiers import layer_groups
+    from qml_runtime.kv.host_restores import layer_groups
 
     assert layer_groups(4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert layer_groups(32, "halves") == [(0, 16), (16, 24), (24, 28), (28, 30), (30, 31), (31, 32)]
@@ -405,7 +405,7 @@ def test_the_restore_admit_benchmark_restores_the_history_and_marks_the_copy():
 
 
 def test_int64_rows_is_torch_tensor_of_the_lists():
-    from qml_runtime.kv.tiers import int64_rows
+    from qml_runtime.kv.host_restores import int64_rows
 
     rng = random.Random(2)
     for n in (0, 1, 1700):

@@ -388,11 +388,12 @@ def test_on_a_gpu_a_split_tail_lands_in_its_pages_and_the_pool_waits_only_once_a
 def test_on_a_gpu_a_restore_in_layer_groups_lands_and_each_layer_waits_for_its_group(monkeypatch, groups):
     """``QML_RESTORE_GROUPS``: one launch copies several layers; a layer's event is its group's (the last layer's
     group ends the restore)."""
-    from qml_runtime.kv import tiers as tiers_module
+    from qml_runtime.kv import host_restores
+    from qml_runtime.kv.host_restores import layer_groups
     from qml_runtime.kv.host_tier import HostTier
-    from qml_runtime.kv.tiers import KVTiers, layer_groups
+    from qml_runtime.kv.tiers import KVTiers
 
-    monkeypatch.setattr(tiers_module, "RESTORE_GROUPS", groups)
+    monkeypatch.setattr(host_restores, "RESTORE_GROUPS", groups)
     cfg = PRESETS["tiny-llama"].config
     kv = KVCache(cfg, 16, 4, "cuda", torch.float16)
     tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=True), None)

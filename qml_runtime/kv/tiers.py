@@ -26,7 +26,7 @@ Copies are batched and ordered on CUDA streams, never one synchronous copy per p
   (``qml_kernels.page_copy``) on a restore stream, with an event per layer that the prefill
   waits for before reading that layer (``KVCache.layer``): the turn's compute runs beside the
   copy. Rows in plain memory (a disk read with no host tier) go through a GPU staging buffer
-  scattered into the pages on the compute stream;
+  scattered into the pages on the compute stream (``qml_runtime.kv.host_restores``);
 - disk reads run on a loader thread into pinned memory while the GPU works: with a split
   plan the engine recomputes the head of the history while the tail streams in
   (``qml_runtime.kv.disk_loads``).
@@ -39,14 +39,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import os
 import threading
-import time
-from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -58,15 +55,15 @@ from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.disk_loads import LOADER_THREADS, DiskLoads
 from qml_runtime.kv.disk_store import DiskStore
 from qml_runtime.kv.disk_writer import DiskWriter
+from qml_runtime.kv.host_restores import MAX_BATCH_PAGES, HostRestores, int64_rows
 from qml_runtime.kv.host_tier import HostTier, slot_runs
 from qml_runtime.kv.host_writes import HostWrites
-from qml_runtime.kv.planner import Plan, RestorePlanner
+from qml_runtime.kv.planner import RestorePlanner
 from qml_runtime.kv.planner_rates import load_rates, needs_probe, probe_disk, save_rates
 from qml_runtime.kv.spill_queue import SpillQueue
 
 log = logging.getLogger("qml.kv.tiers")
 
-MAX_BATCH_PAGES = 512  # pages per gathered copy: bounds the GPU staging buffer (1 GiB at 2 MiB pages)
 # a finished request's pages go down to host RAM this many bytes at a time, one chunk on the link at
 # once, between steps (``KVTiers.pump``): ~2.5 ms at 51 GB/s, the most a restore that arrives then
 # shares the link with
@@ -76,61 +73,9 @@ PUMP_SHARE = 0.5
 # the pump's in-place copies (page_save): a quarter of the restore's programs, as they run beside a
 # prefill that wants the SMs (stores to host memory are posted: few programs keep the link busy)
 SAVE_PROGRAMS = 16
-# the restore's page_copy programs: 64 moved a 27k-token Llama-3.1-8B history (3.58 GB, 32 launches of one
-# layer) in 70.7-71.0 ms against 72.2-72.3 with 32 (50.5 against 49.5 GB/s; 128: 71.0-71.2; the copy
-# engines' 2D copies of the same 32 KiB runs 70.7-71.1, one flat copy 67 ms: the link, not the kernel, is the
-# limit); benchmarks/results/kv-upload-dma-h200-2026-12-03.md
-RESTORE_PROGRAMS = 64
-# the copy of a split's tail runs beside the head's prefill, which wants every SM: its programs can be fewer
-# (32 moved the history at 49.5 GB/s against 50.5 with 64, above). Not yet measured beside a prefill.
-SPLIT_RESTORE_PROGRAMS = int(os.environ.get("QML_SPLIT_COPY_PROGRAMS", RESTORE_PROGRAMS))
-# QML_RESTORE_GROUPS: the restore's launches over several layers each (``layer_groups``): "halves" (16, 8, 4, 2,
-# 1, 1 of 32 layers) or sizes ("8,8,8,4,2,1,1"). A page's layers lie one after another in its host row, so a
-# launch over g layers reads runs of g x 64 KiB; one layer's 32 KiB runs moved 50.5 GB/s where one flat copy
-# moved 53.4 (kv-upload-dma-h200-2026-12-03.md: the 2D copies of the same runs were no faster than the kernel).
-# Off (one layer a launch) until measured: a layer's pages are read only when its whole group has landed.
-RESTORE_GROUPS = os.environ.get("QML_RESTORE_GROUPS", "")
 # bytes waiting for the disk writer (``pending_write_bytes``); past it the disk is behind: a persist is not written
 # through, and a host entry evicted before its write, or a row the writer borrowed, is given up rather than copied
 MAX_PENDING_WRITE_BYTES = 4 << 30
-
-
-def int64_rows(*rows: list[int], pin: bool = False) -> torch.Tensor:
-    """Lists of Python ints, all of one length, as an int64 tensor ``[len(rows), n]`` (in pinned memory when
-    ``pin``), through an ``array("q")``: torch.tensor on the lists took 0.31 ms for a restore's 2 x 1,700
-    page and slot ids on CPU, this ~0.04, and the restore's copy is launched right after it."""
-    flat = array("q", rows[0])
-    for row in rows[1:]:
-        flat.extend(row)
-    if not flat:
-        out = torch.empty((len(rows), 0), dtype=torch.int64)
-    else:
-        out = torch.frombuffer(flat, dtype=torch.int64).view(len(rows), -1)  # (holds ``flat``)
-    return out.pin_memory() if pin else out
-
-
-def layer_groups(num_layers: int, sizes: str | Sequence[int] = "") -> list[tuple[int, int]]:
-    """The restore's launches as (first layer, end layer), in order, covering ``num_layers``: ``sizes`` a list
-    of group sizes or its comma-separated text (clipped at the last layer; layers left over go one a launch),
-    "halves" (half the layers, then half the rest, ..., down to one, and the last one alone: the compute
-    that waits for the last group is one layer's), or empty (one layer a launch)."""
-    if isinstance(sizes, str):
-        if sizes.strip() == "halves":
-            sizes, left = [], num_layers
-            while left > 1:
-                sizes.append(left // 2)
-                left -= left // 2
-        else:
-            sizes = [int(part) for part in sizes.split(",") if part.strip()]
-    if any(size < 1 for size in sizes):
-        raise ValueError(f"restore groups must hold one layer or more, got {list(sizes)}")
-    groups, lo = [], 0
-    for size in sizes:
-        if lo >= num_layers:
-            break
-        groups.append((lo, min(lo + size, num_layers)))
-        lo = groups[-1][1]
-    return groups + [(layer, layer + 1) for layer in range(lo, num_layers)]
 
 
 @dataclass
@@ -146,7 +91,7 @@ class TierStats:
     plans: dict = field(default_factory=lambda: {"restore": 0, "recompute": 0, "split": 0})
 
 
-class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
+class KVTiers(HostRestores, DiskLoads):  # (restores from host RAM, loads from disk: their own modules)
     def __init__(self, kv: KVCache, host: HostTier | None, disk: DiskStore | None,
                  planner: RestorePlanner | None = None):
         self.kv, self.host, self.disk = kv, host, disk
@@ -637,225 +582,6 @@ class KVTiers(DiskLoads):  # (its loads from disk: qml_runtime.kv.disk_loads)
             self._writer = None
             self._loader.shutdown(wait=True)
             self.disk.close()
-
-    # --- up ---------------------------------------------------------------------------
-
-    def locate(self, name: bytes, tokens) -> str | None:
-        """Which tier holds this block: "host", "disk", or None (``tokens``: packed, or the ids)."""
-        if self.host is not None and self.host.find(name, tokens) is not None:
-            return "host"
-        if self.disk is not None and self.disk.contains(name):
-            return "disk"
-        return None
-
-    def locate_run(self, names: list[bytes], packed: bytes | bytearray) -> list[str]:
-        """``locate`` for block i under ``names[i]`` with the tokens of ``packed``'s block i, for each i up
-        to the first found in no tier: the tiers of that run. Its leading host blocks are found in
-        one pass (``HostTier.find_run``); from the first other block on, one by one."""
-        if not names:
-            return []
-        B = len(packed) // len(names)
-        slots = self.host.find_run(names, packed) if self.host is not None else []
-        n = len(slots)
-        self._located = (names, bytes(packed[:n * B]), slots, self.host.removals) if n else None
-        where = ["host"] * n
-        for i in range(n, len(names)):
-            tier = self.locate(names[i], packed[i * B:(i + 1) * B])
-            if tier is None:
-                break
-            where.append(tier)
-        return where
-
-    def plan(self, tiers: Sequence[str], block_tokens: int, start: int = 0, after: int = 0) -> Plan:
-        plan = self.planner.plan(tiers, self.block_bytes, block_tokens, start, after)
-        self.stats.plans[plan.kind] += 1
-        if plan.recompute:
-            self.stats.skipped_disk += tiers[plan.host_now:plan.host_now + plan.recompute].count("disk")
-        if tiers and log.isEnabledFor(logging.INFO):
-            log.info("restore plan: %d blocks below the GPU -> %d from host now, %d recomputed, %d streamed in "
-                     "(%s; est. %.1f ms vs %.1f ms to recompute all; rates: prefill %s, host %.1f GB/s, "
-                     "disk %.2f GB/s)", len(tiers), plan.host_now, plan.recompute, plan.load, plan.kind,
-                     plan.seconds * 1e3, plan.recompute_seconds * 1e3, self._prefill_rate_text(),
-                     self.planner.host_bytes_per_s / 1e9, self.planner.disk_bytes_per_s / 1e9)
-        return plan
-
-    def _prefill_rate_text(self) -> str:
-        p = self.planner
-        if not p.prefill_curve:
-            return f"{p.prefill_tokens_per_s:.0f} tok/s"
-        n = p.prefill_curve[-1][0]
-        return f"{n / p.prefill_seconds(0, n):.0f} tok/s at {n} tokens (x{p.prefill_scale:.2f} of the start-up curve)"
-
-    def restore_host(self, names: list[bytes], packed: bytes | bytearray, pages: list[int]) -> int:
-        """Copy host blocks into ``pages``, in order: block i under ``names[i]`` with the tokens of
-        ``packed``'s block i. Returns how many were found (the first missing one and those after it
-        are not copied). The slots ``locate_run`` found for the same blocks are taken as they are when no
-        host entry has left since (a second lookup of a 27k-token history's ~1,700 blocks took 0.3-0.6 ms
-        of the H200 engine thread before the copies could start); else the blocks are looked up again."""
-        slots = self._host_slots(names, packed)
-        if slots:
-            self._upload(pages[:len(slots)], [(self.host.slots, i, s, n) for i, s, n in slot_runs(slots)])
-            self.stats.restored_host += len(slots)
-        return len(slots)
-
-    def _host_slots(self, names: list[bytes], packed: bytes | bytearray, offset: int = 0) -> list[int]:
-        """The host slots of the run of blocks ``names`` (tokens ``packed``), up to the first missing one:
-        those ``locate_run`` found moments before, ``offset`` blocks into its run, when no host entry has
-        left since; else looked up again."""
-        located, self._located = self._located, None
-        if located is not None and names and offset + len(names) <= len(located[2]) \
-                and located[0][offset] == names[0] and located[3] == self.host.removals:
-            B = len(packed) // len(names)
-            if located[1][offset * B:offset * B + len(packed)] == packed:
-                return located[2][offset:offset + len(names)]
-        return self.host.find_run(names, packed)
-
-    def _upload(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]],
-                hold: bool = False) -> tuple[list, int] | None:
-        """Copy host rows into GPU pages: ``sources`` are (host tensor of rows, destination row, source
-        row, row count); destination row i goes to ``pages[i]``. Rows of the pinned host tier go
-        layer by layer on a side stream (``_upload_layers``); others through a GPU staging buffer
-        on the compute stream. ``hold``: a layered copy's events are returned (with the restore's number)
-        rather than handed to the pool, for a later step to wait on (``apply_load``); steps before it
-        do not read these pages."""
-        self._fill_first(sources)
-        if self.layered and self._in_place and all(src is self.host.slots for src, _, _, _ in sources):
-            # a page spilled to make room is gathered before the restore overwrites it, but copied down
-            # after it: both ways at once, the restore ran at ~half speed (kv_upload_h200: 3.5 GB up
-            # beside 3.5 GB down took 104 ms against 70 alone), and the turn waits only on the restore
-            gathered = self._gather_spills()  # (with a host tier nothing goes to disk directly)
-            events = self._upload_layers(pages, sources, hold)
-            self._copy_down(gathered)
-            return (events, self._uploads) if hold else None
-        self.flush_spills()  # a page spilled earlier must be copied out before it is overwritten
-        dev = self.kv.data.device
-        if self._cuda:
-            # only the copies filling the slots read here must be complete (the GPU waits, not the
-            # host): copies of other slots, down, overlap these, up
-            for event in self._slot_waits(sources):
-                torch.cuda.current_stream(dev).wait_event(event)
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        for i in range(0, len(pages), MAX_BATCH_PAGES):
-            n_pages = min(MAX_BATCH_PAGES, len(pages) - i)
-            staging = torch.empty((n_pages, self.row_bytes), dtype=torch.uint8, device=dev)
-            for src, d, s, n in sources:  # the part of each run that falls in this chunk
-                lo, hi = max(d, i), min(d + n, i + n_pages)
-                if lo < hi:
-                    staging[lo - i:hi - i].copy_(src[s + lo - d:s + hi - d], non_blocking=self._cuda)
-            index = int64_rows(pages[i:i + n_pages])[0].to(dev, non_blocking=True)
-            self.kv.scatter_pages(index, staging)
-            if i == 0:
-                self.restore_launched = time.perf_counter()
-        if self._cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._timing.append((start, end, len(pages) * self.block_bytes))
-        else:
-            self.planner.observe("host", len(pages) * self.block_bytes, time.perf_counter() - t0)
-
-    def _fill_first(self, sources) -> None:
-        """A restore reading a host slot whose copy down has not been queued (deferred, or a spill
-        gathered in this same schedule) queues those copies first: ``_slot_waits`` then orders the
-        restore after them. (Rare: such a page is still on the GPU, where the prefix is looked up
-        first.)"""
-        if self.host is None or not (self._deferred_slots or self._pending):
-            return
-        read = self._slots_read(sources)
-        self._copy_deferred_now(sorted(self._deferred_slots.keys() & read))
-        if self._pending.any_slot_in(read):
-            self.flush_spills()
-
-    def _slots_read(self, sources) -> set[int]:
-        """The host-tier slots ``sources`` read (a set built without a Python step per slot: a 27k-token
-        history's ~1,700, before its restore's copy is launched)."""
-        return set(itertools.chain.from_iterable(range(s, s + n) for src, _, s, n in sources
-                                                 if src is self.host.slots))
-
-    def _slot_waits(self, sources) -> list:
-        """The spill copies still filling the host slots that ``sources`` read (once each)."""
-        if self.host is None or not self._slot_events:
-            return []
-        events = self._slot_events
-        # (events hash by identity: each once)
-        return list(set(map(events.__getitem__, events.keys() & self._slots_read(sources))))
-
-    def _compile_page_copy(self) -> None:
-        """One copy of a page at start (the pool holds nothing yet): the kernel is compiled before a
-        request's restore would wait for it."""
-        from qml_kernels.kv_codec import kv_load, kv_save
-        from qml_kernels.page_copy import page_copy, page_save
-
-        self.host.slots[0].zero_()  # page 0 keeps the zeros it was made with (zeros decode to zeros too)
-        pool, table = self.kv.chunk_views(self.host.slots)
-        zero = torch.zeros(1, dtype=torch.int64, device=self.kv.data.device)
-        (kv_load if self.kv.codec else page_copy)(pool, zero, table, zero, 0, 2)
-        if self.save_in_place:  # and the other way (the first pump would compile it beside a prefill)
-            (kv_save if self.kv.codec else page_save)(table, zero, pool, zero, 0, 2)
-        torch.cuda.synchronize(self.kv.data.device)
-
-    def _upload_layers(self, pages: list[int], sources: list[tuple[torch.Tensor, int, int, int]],
-                       hold: bool = False) -> list:
-        """Host-tier rows into GPU pages, read in place from pinned memory (``qml_kernels.page_copy``,
-        ~51 GB/s on the H200, as fast as one large pinned copy) one layer per launch on the restore
-        stream, with an event per layer handed to the pool (``KVCache.restore_events``): the
-        prefill that reads them waits layer by layer, so it computes layer i while later layers
-        still arrive, and a 3.5 GB history (~70 ms) hides the turn's own compute behind it."""
-        from qml_kernels.kv_codec import KVCodecConfig, kv_load
-        from qml_kernels.page_copy import PageCopyConfig, page_copy
-
-        dev = self.kv.data.device
-        compute = torch.cuda.current_stream(dev)
-        stream = self._restore_stream
-        stream.wait_stream(compute)  # pages spilled before this were gathered on the compute stream
-        for event in self._slot_waits(sources):
-            stream.wait_event(event)
-        # rows padded to an even length: both start 16-byte aligned, as the kernel was compiled for
-        width = len(pages) + len(pages) % 2
-        slot_of = [0] * width
-        for _, d, s, n in sources:
-            slot_of[d:d + n] = range(s, s + n)
-        index = int64_rows(pages + [0] * (width - len(pages)), slot_of, pin=True)
-        pool, table = self.kv.chunk_views(self.host.slots)
-        events = []
-        with torch.cuda.stream(stream):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            index = index.to(dev, non_blocking=True)
-            pages_d, slots_d = index[0, :len(pages)], index[1, :len(pages)]
-            programs = SPLIT_RESTORE_PROGRAMS if hold else RESTORE_PROGRAMS
-            # encoded rows are decoded into the pages as they are read (``kv_codec.kv_load``)
-            copy, config = (kv_load, KVCodecConfig(num_programs=programs)) if self.kv.codec else \
-                (page_copy, PageCopyConfig(num_programs=programs))
-            layers = self.kv.data.shape[0]
-            for lo, hi in layer_groups(layers, RESTORE_GROUPS):
-                copy(pool, pages_d, table, slots_d, 2 * lo, 2 * hi, config=config)
-                if lo == 0:
-                    self.restore_launched = time.perf_counter()
-                event = torch.cuda.Event(enable_timing=hi == layers)
-                event.record()
-                events += [event] * (hi - lo)  # a layer is read once its group has landed
-        self._uploads += 1
-        if not hold:
-            self.kv.restore_events(events, self._uploads)
-        self._restored = events[-1]
-        self._reads.append(({s for _, _, s0, n in sources for s in range(s0, s0 + n)}, events[-1]))
-        self._timing.append((start, events[-1], len(pages) * self.block_bytes))
-        return events
-
-    def _observe_uploads(self) -> None:
-        """Fold finished uploads' GPU times into the host rate, without waiting for any."""
-        still = []
-        for start, end, nbytes in self._timing:
-            if end.query():
-                seconds = start.elapsed_time(end) / 1e3
-                log.debug("host upload: %.1f MB in %.2f ms (%.1f GB/s)", nbytes / 1e6, seconds * 1e3,
-                          nbytes / max(seconds, 1e-9) / 1e9)
-                self.planner.observe("host", nbytes, seconds)
-            else:
-                still.append((start, end, nbytes))
-        self._timing = still
 
 
 def _nothing() -> None:
