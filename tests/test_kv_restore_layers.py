@@ -410,3 +410,57 @@ def test_on_a_gpu_a_restore_in_layer_groups_lands_and_each_layer_waits_for_its_g
     for page, row in zip(pages, rows):
         assert torch.equal(kv.data[:, :, page].reshape(-1).view(torch.uint8).cpu(), row)
     tiers.close()
+
+
+def test_the_staged_copies_fill_a_region_as_page_copy_reads_it():
+    """``staged_copies``' 2D copies (here applied to byte buffers) put rows' chunks where the staging view
+    that page_copy scatters from has them: the restore through the copy engines lands what page_copy_ref does."""
+    from qml_runtime.kv.host_restores import staged_copies
+
+    C, W, N = 6, 8, 10
+    table = torch.randn(N, C, W, generator=torch.Generator().manual_seed(0)).to(torch.float16)
+    runs = [(0, 7, 2), (2, 1, 3), (5, 9, 1)]  # (staging row, host row, count): three slot runs, six pages
+    pages = torch.tensor([3, 0, 5, 1, 4, 2])
+    slots = torch.tensor([7, 8, 1, 2, 3, 9])
+    elem = table.element_size()
+    for c_lo, c_n in ((0, 2), (2, 4), (4, 2)):
+        staging = torch.zeros(2 * C * W + 6 * c_n * W, dtype=table.dtype)  # a row's width each side, as the ring
+        region = C * W * elem
+        host_bytes, stage_bytes = table.view(-1).view(torch.uint8), staging.view(torch.uint8)
+        for dst, dst_pitch, src, src_pitch, width, height in staged_copies(runs, 0, C * W * elem, W * elem, region,
+                                                                            c_lo, c_n):
+            for h in range(height):
+                stage_bytes[dst + h * dst_pitch:dst + h * dst_pitch + width] = \
+                    host_bytes[src + h * src_pitch:src + h * src_pitch + width]
+        rows = staging.as_strided((6, C, W), (c_n * W, W, 1), C * W - c_lo * W)
+        got = page_copy_ref(torch.zeros(C, 6, W, dtype=table.dtype), pages, rows, torch.arange(6), c_lo, c_lo + c_n)
+        want = page_copy_ref(torch.zeros(C, 6, W, dtype=table.dtype), pages, table, slots, c_lo, c_lo + c_n)
+        assert torch.equal(got, want) and got[c_lo:c_lo + c_n].abs().sum() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the staged restore copies pinned host rows on a GPU")
+@pytest.mark.parametrize("per", [1, 2])
+def test_on_a_gpu_a_staged_restore_lands_and_each_layer_waits_for_its_group(monkeypatch, per):
+    """``QML_RESTORE_STAGED``: 2D copies into a staging ring and page_copy out of it; the pages hold the rows."""
+    from qml_runtime.kv import host_restores
+    from qml_runtime.kv.host_restores import layer_groups
+    from qml_runtime.kv.host_tier import HostTier
+    from qml_runtime.kv.tiers import KVTiers
+
+    monkeypatch.setattr(host_restores, "RESTORE_STAGED", per)
+    cfg = PRESETS["tiny-llama"].config
+    kv = KVCache(cfg, 16, 4, "cuda", torch.float16)
+    tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=True), None)
+    blocks, rows = _host_blocks(tiers, 5)
+    names, packed = [n for n, _ in blocks], b"".join(t for _, t in blocks)
+    tiers.locate_run(names, packed)
+    pages = [11, 4, 9, 13, 2]
+    assert tiers.restore_host(names, packed, pages) == 5 and kv.restoring
+    assert tiers._dma_stream is not None  # the staged path ran
+    events = kv._restoring
+    for lo, hi in layer_groups(cfg.num_layers, [per] * cfg.num_layers):
+        assert all(events[layer] is events[lo] for layer in range(lo, hi))
+    kv.settle()
+    for page, row in zip(pages, rows):
+        assert torch.equal(kv.data[:, :, page].reshape(-1).view(torch.uint8).cpu(), row)
+    tiers.close()

@@ -48,6 +48,16 @@ SPLIT_RESTORE_PROGRAMS = int(os.environ.get("QML_SPLIT_COPY_PROGRAMS", RESTORE_P
 # moved 53.4 (kv-upload-dma-h200-2026-12-03.md: the 2D copies of the same runs were no faster than the kernel).
 # Off (one layer a launch) until measured: a layer's pages are read only when its whole group has landed.
 RESTORE_GROUPS = os.environ.get("QML_RESTORE_GROUPS", "")
+# QML_RESTORE_STAGED=g: the restore through the copy engines instead (``_upload_staged``): g layers of every page
+# a 2D copy into a device staging ring, scattered into the pages by page_copy on the restore stream. The kernel
+# reads pinned rows at ~50.7 GB/s whatever its runs, one flat copy moves 54.5 (kv_upload_dma_h200, H100,
+# 2026-12-05). Off (0) until measured in the engine; taken only where the rows come in few slot runs
+# (a 2D copy per run and group) and the ring fits STAGED_MAX_BYTES.
+RESTORE_STAGED = int(os.environ.get("QML_RESTORE_STAGED", "0"))
+STAGED_REGIONS = 3  # the ring: the copy engines fill one region while a scatter drains the one before
+STAGED_MAX_RUNS = 64
+STAGED_MAX_BYTES = 1 << 30
+STAGED_SCATTER_PROGRAMS = 132  # HBM to HBM: every SM, for the ~0.2 ms a region takes
 
 
 def int64_rows(*rows: list[int], pin: bool = False) -> torch.Tensor:
@@ -86,6 +96,17 @@ def layer_groups(num_layers: int, sizes: str | Sequence[int] = "") -> list[tuple
         groups.append((lo, min(lo + size, num_layers)))
         lo = groups[-1][1]
     return groups + [(layer, layer + 1) for layer in range(lo, num_layers)]
+
+
+def staged_copies(runs: Sequence[tuple[int, int, int]], host: int, row_bytes: int, chunk_bytes: int,
+                  region: int, chunk_lo: int, n_chunks: int) -> list[tuple[int, int, int, int, int, int]]:
+    """The 2D copies that fill a staging region ``[n, n_chunks, chunk_bytes]`` (at address ``region``) from
+    host rows of ``row_bytes`` (the table at ``host``): per run (staging row d, host row s, count), ``count``
+    rows of the ``n_chunks`` chunks from ``chunk_lo`` on. As ``copy_2d_to_device``'s arguments (dst,
+    dst_pitch, src, src_pitch, width, height)."""
+    width = n_chunks * chunk_bytes
+    return [(region + d * width, width, host + s * row_bytes + chunk_lo * chunk_bytes, row_bytes, width, count)
+            for d, s, count in runs]
 
 
 class HostRestores:
@@ -280,19 +301,79 @@ class HostRestores:
             copy, config = (kv_load, KVCodecConfig(num_programs=programs)) if self.kv.codec else \
                 (page_copy, PageCopyConfig(num_programs=programs))
             layers = self.kv.data.shape[0]
-            for lo, hi in layer_groups(layers, RESTORE_GROUPS):
+            staged = self._staged_ring(len(pages), len(sources), table) if not self.kv.codec else None
+            for lo, hi in ([] if staged is not None else layer_groups(layers, RESTORE_GROUPS)):
                 copy(pool, pages_d, table, slots_d, 2 * lo, 2 * hi, config=config)
                 if lo == 0:
                     self.restore_launched = time.perf_counter()
                 event = torch.cuda.Event(enable_timing=hi == layers)
                 event.record()
                 events += [event] * (hi - lo)  # a layer is read once its group has landed
+            if staged is not None:
+                events = self._upload_staged(staged, pool, pages_d, table, sources)
         self._uploads += 1
         if not hold:
             self.kv.restore_events(events, self._uploads)
         self._restored = events[-1]
         self._reads.append(({s for _, _, s0, n in sources for s in range(s0, s0 + n)}, events[-1]))
         self._timing.append((start, events[-1], len(pages) * self.block_bytes))
+        return events
+
+    def _staged_ring(self, n_pages: int, n_runs: int, table: torch.Tensor) -> torch.Tensor | None:
+        """The staging ring for a staged restore of ``n_pages`` in ``n_runs`` slot runs (one row's width in
+        front of the regions and one after them, so that a region seen as whole rows stays inside the
+        tensor: ``_upload_staged``), or None where the restore goes through the kernel."""
+        if RESTORE_STAGED < 1 or n_runs > STAGED_MAX_RUNS:
+            return None
+        C, W = table.shape[1], table.shape[2]
+        region = n_pages * 2 * RESTORE_STAGED * W
+        if (2 * C * W + STAGED_REGIONS * region) * table.element_size() > STAGED_MAX_BYTES:
+            return None
+        return torch.empty(2 * C * W + STAGED_REGIONS * region, dtype=table.dtype, device=self.kv.data.device)
+
+    def _upload_staged(self, staging: torch.Tensor, pool: torch.Tensor, pages_d: torch.Tensor,
+                       table: torch.Tensor, sources) -> list:
+        """The layered restore through the copy engines (``QML_RESTORE_STAGED``; on the restore stream,
+        which is current): per group of g layers, 2D copies (one per slot run, ``staged_copies``) on the
+        DMA stream fill a region of the staging ring, then page_copy scatters it into the pages on the
+        restore stream and records the group's event; a region is filled again once its scatter is done.
+        The staging lives until the last scatter: later allocations on the restore stream follow it."""
+        from qml_kernels.page_copy import PageCopyConfig, page_copy
+        from qml_runtime.kv.dma import copy_2d_to_device
+
+        stream = torch.cuda.current_stream(staging.device)
+        if self._dma_stream is None:
+            self._dma_stream = torch.cuda.Stream(staging.device, priority=-1)
+        dma = self._dma_stream
+        dma.wait_stream(stream)  # after the restore stream's waits for the spills filling these slots
+        n, C, W = pages_d.numel(), table.shape[1], table.shape[2]
+        elem = table.element_size()
+        layers = C // 2
+        per = 2 * RESTORE_STAGED * W  # elements a staging row holds
+        rows_d = torch.arange(n, device=staging.device)
+        runs = [(d, s, count) for _, d, s, count in sources]
+        config = PageCopyConfig(num_programs=STAGED_SCATTER_PROGRAMS)
+        landed: list = [None] * STAGED_REGIONS
+        events: list = []
+        for k, (lo, hi) in enumerate(layer_groups(layers, [RESTORE_STAGED] * layers)):
+            r, c_lo, c_n = k % STAGED_REGIONS, 2 * lo, 2 * (hi - lo)
+            # region r seen as rows [n, C, W] whose chunk c_lo is the region's first element
+            rows = staging.as_strided((n, C, W), (c_n * W, W, 1), C * W + r * n * per - c_lo * W)
+            if landed[r] is not None:
+                dma.wait_event(landed[r])
+            for args in staged_copies(runs, table.data_ptr(), table.stride(0) * elem, W * elem,
+                                      staging.data_ptr() + (C * W + r * n * per) * elem, c_lo, c_n):
+                copy_2d_to_device(*args, stream=dma)
+            if lo == 0:
+                self.restore_launched = time.perf_counter()
+            filled = torch.cuda.Event()
+            filled.record(dma)
+            stream.wait_event(filled)
+            page_copy(pool, pages_d, rows, rows_d, c_lo, c_lo + c_n, config=config)
+            event = torch.cuda.Event(enable_timing=hi == layers)
+            event.record(stream)
+            landed[r] = event
+            events += [event] * (hi - lo)
         return events
 
     def _observe_uploads(self) -> None:
