@@ -46,7 +46,8 @@ SPLIT_RESTORE_PROGRAMS = int(os.environ.get("QML_SPLIT_COPY_PROGRAMS", RESTORE_P
 # 1, 1 of 32 layers) or sizes ("8,8,8,4,2,1,1"). A page's layers lie one after another in its host row, so a
 # launch over g layers reads runs of g x 64 KiB; one layer's 32 KiB runs moved 50.5 GB/s where one flat copy
 # moved 53.4 (kv-upload-dma-h200-2026-12-03.md: the 2D copies of the same runs were no faster than the kernel).
-# Off (one layer a launch) until measured: a layer's pages are read only when its whole group has landed.
+# Measured since (H100, restore-h100-2026-12-05.md): the kernel moves ~50.7 GB/s over groups of 2-32 layers as
+# over one, so the groups buy nothing on the link; off (one layer a launch).
 RESTORE_GROUPS = os.environ.get("QML_RESTORE_GROUPS", "")
 # QML_RESTORE_STAGED=g: the restore through the copy engines instead (``_upload_staged``): g layers of every page
 # a 2D copy into a device staging ring, scattered into the pages by page_copy on the restore stream. The kernel
