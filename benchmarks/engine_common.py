@@ -98,6 +98,18 @@ def _kernel_rows(prof, cuda: bool = True) -> list[tuple[str, int, float]]:
     return sorted(rows, key=lambda r: -r[2])
 
 
+def _kernel_calls(prof, needle: str) -> dict | None:
+    """The device durations (us) of the kernels whose name holds ``needle``, call by call in launch order:
+    whether a kernel is slow in every layer or only in some (the first layers after an idle GPU, say)."""
+    calls = sorted((e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+                   if "CUDA" in str(getattr(e, "device_type", "")) and needle in e.name)
+    if not calls:
+        return None
+    us = [round(d, 1) for _, d in calls]
+    return {"calls": len(us), "first": us[:4], "last": us[-4:], "min": min(us), "median": sorted(us)[len(us) // 2],
+            "max": max(us)}
+
+
 def _loop_counters(engine) -> dict:
     """The engine thread's cumulative time split (schedule / step / post, launch inside step) and steps."""
     return dict(engine.loop_seconds, launch=engine.runner.launch_seconds, steps=engine.loop_steps)

@@ -324,11 +324,14 @@ class HostRestores:
         """The staging ring for a staged restore of ``n_pages`` in ``n_runs`` slot runs (one row's width in
         front of the regions and one after them, so that a region seen as whole rows stays inside the
         tensor: ``_upload_staged``), or None where the restore goes through the kernel."""
-        if RESTORE_STAGED < 1 or n_runs > STAGED_MAX_RUNS:
+        if RESTORE_STAGED < 1:
             return None
         C, W = table.shape[1], table.shape[2]
         region = n_pages * 2 * RESTORE_STAGED * W
-        if (2 * C * W + STAGED_REGIONS * region) * table.element_size() > STAGED_MAX_BYTES:
+        nbytes = (2 * C * W + STAGED_REGIONS * region) * table.element_size()
+        if n_runs > STAGED_MAX_RUNS or nbytes > STAGED_MAX_BYTES:
+            log.debug("restore of %d pages in %d slot runs through the kernel: a staged one would take %d 2D "
+                      "copies a group and %.0f MB of staging", n_pages, n_runs, n_runs, nbytes / 1e6)
             return None
         return torch.empty(2 * C * W + STAGED_REGIONS * region, dtype=table.dtype, device=self.kv.data.device)
 
