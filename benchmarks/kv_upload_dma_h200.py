@@ -22,7 +22,6 @@ The host-RAM turn of the sessions bench copies ~1,708 pages of 2 MiB (3.58 GB) u
 from __future__ import annotations
 
 import ctypes
-import glob
 import json
 import os
 import time
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 
 from qml_kernels.page_copy import PageCopyConfig, page_copy
+from qml_runtime.kv.dma import cudart
 
 C, W, P, N, n = 64, 16384, 2048, 1800, 1708  # chunks (32 layers x K/V), elements a chunk, pool pages, rows, pages
 
@@ -41,21 +41,6 @@ class _Loc(ctypes.Structure):  # cudaMemLocation
 
 class _Attr(ctypes.Structure):  # cudaMemcpyAttributes
     _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _Loc), ("dstLocHint", _Loc), ("flags", ctypes.c_uint)]
-
-
-def _cudart():
-    """The CUDA runtime torch loaded (its wheel's, found under the nvidia packages or torch)."""
-    import nvidia
-
-    found = []
-    for base in list(getattr(nvidia, "__path__", [])) + [os.path.dirname(torch.__file__)]:
-        found += glob.glob(os.path.join(base, "**", "libcudart.so*"), recursive=True)
-    for path in sorted(found, reverse=True):
-        try:
-            return ctypes.CDLL(path), path
-        except OSError:
-            pass
-    return ctypes.CDLL("libcudart.so"), "libcudart.so"
 
 
 def _host_rows_and_pool(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,31 +65,36 @@ def _batch_addresses(pool: torch.Tensor, host: torch.Tensor, pages: torch.Tensor
     return per_layer
 
 
+def timed(pool: torch.Tensor, fn, reps: int = 3, before=None) -> list[tuple[float, float]]:
+    """(device ms, host ms) of ``fn`` ``reps`` times, between events on the current stream, the pool zeroed
+    first; ``before`` (if given) runs after the zeroing, untimed (work queued to run beside ``fn``)."""
+    out = []
+    for _ in range(reps):
+        pool.zero_()
+        torch.cuda.synchronize()
+        if before is not None:
+            before()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        s.record()
+        fn()
+        e.record()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        out.append((round(s.elapsed_time(e), 2), round(host_ms, 2)))
+    return out
+
+
 def main() -> None:
     dev = torch.device("cuda")
     host, pool = _host_rows_and_pool(dev)
     pages_scat = torch.randperm(P, generator=torch.Generator().manual_seed(0))[:n]
     slots_cons = torch.arange(n)
     nbytes = n * C * W * 2
-    rt, path = _cudart()
+    rt = cudart()  # the runtime torch mapped (qml_runtime.kv.dma)
     version = ctypes.c_int()
     rt.cudaRuntimeGetVersion(ctypes.byref(version))
-    print("cudart", path, version.value)
-
-    def timed(fn, reps=3):
-        out = []
-        for _ in range(reps):
-            pool.zero_()
-            torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            s.record()
-            fn()
-            e.record()
-            host_ms = (time.perf_counter() - t0) * 1e3
-            torch.cuda.synchronize()
-            out.append((round(s.elapsed_time(e), 2), round(host_ms, 2)))
-        return out
+    print("cudart", rt._name, version.value)
 
     def check(pages, slots, k=6):
         picks = torch.linspace(0, n - 1, k).long().tolist()
@@ -118,7 +108,7 @@ def main() -> None:
         def zero_copy(config=config):
             for layer in range(32):
                 page_copy(pool, pd, host, sd, 2 * layer, 2 * layer + 2, config=config)
-        res[f"zero-copy layered {progs} progs"] = timed(zero_copy)
+        res[f"zero-copy layered {progs} progs"] = timed(pool, zero_copy)
         if progs == 32:
             res["zero-copy ok"] = check(pages_scat, slots_cons)
 
@@ -136,11 +126,9 @@ def main() -> None:
         def grouped(groups=groups):
             for lo, hi in groups:
                 page_copy(pool, pd, host, sd, 2 * lo, 2 * hi, config=config)
-        res[f"zero-copy {name}-layer groups 64 progs"] = timed(grouped)
+        res[f"zero-copy {name}-layer groups 64 progs"] = timed(pool, grouped)
     res["zero-copy groups ok"] = check(pages_scat, slots_cons)
 
-    rt.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     p0 = 100  # the consecutive destination pages start here
 
     def two_d():
@@ -148,12 +136,12 @@ def main() -> None:
             err = rt.cudaMemcpy2DAsync(pool[c, p0].data_ptr(), W * 2, host[0, c].data_ptr(), C * W * 2, W * 2, n,
                                        4, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
             assert err == 0, err
-    res["2D contiguous pages (64 copies)"] = timed(two_d)
+    res["2D contiguous pages (64 copies)"] = timed(pool, two_d)
     res["2D ok"] = check(torch.arange(p0, p0 + n), slots_cons)
 
     def flat():
         pool.view(-1)[:n * C * W].copy_(host.view(-1)[:n * C * W], non_blocking=True)
-    res["one flat copy"] = timed(flat)
+    res["one flat copy"] = timed(pool, flat)
 
     # cudaMemcpyBatchAsync: per layer, 2 chunks x n copies of W*2 bytes, in stream order
     per_layer = _batch_addresses(pool, host, pages_scat, slots_cons)
@@ -177,7 +165,7 @@ def main() -> None:
         return run
     for with_fail in ((False, True) if version.value >= 13000 else (True,)):
         try:
-            res[f"batch per layer (failIdx={with_fail})"] = timed(batch(with_fail))
+            res[f"batch per layer (failIdx={with_fail})"] = timed(pool, batch(with_fail))
             res[f"batch ok (failIdx={with_fail})"] = check(pages_scat, slots_cons)
             break
         except Exception as e:

@@ -25,15 +25,14 @@ last layer landed), each checked on six pages:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import time
 
 import torch
 
-from kv_upload_dma_h200 import C, N, P, W, _cudart, _host_rows_and_pool, n
+from kv_upload_dma_h200 import C, N, P, W, _host_rows_and_pool, n, timed
 from qml_kernels.page_copy import PageCopyConfig, page_copy
+from qml_runtime.kv.dma import copy_2d_to_device, cudart
 
 KIB = 1024
 
@@ -45,9 +44,6 @@ def main() -> None:
     slots = torch.arange(n)
     pd, sd = pages.to(dev), slots.to(dev)
     nbytes = n * C * W * 2
-    rt, path = _cudart()
-    rt.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     copy_stream = torch.cuda.Stream()
     load_stream = torch.cuda.Stream()
     compute = torch.cuda.current_stream()
@@ -66,28 +62,12 @@ def main() -> None:
         return staging.as_strided((n, C, W), (chunks * W, W, 1), offset)
 
     def copy_2d(dst_ptr: int, dst_pitch: int, lo: int, chunks: int, stream) -> None:
-        err = rt.cudaMemcpy2DAsync(dst_ptr, dst_pitch, host[0, lo].data_ptr(), row_bytes, chunks * W * 2, n, 1,
-                                   ctypes.c_void_p(stream.cuda_stream))
-        assert err == 0, f"cudaMemcpy2DAsync error {err}"
+        copy_2d_to_device(dst_ptr, dst_pitch, host[0, lo].data_ptr(), row_bytes, chunks * W * 2, n, stream)
 
-    def timed(fn, reps=3, beside=False):
-        out = []
-        for _ in range(reps):
-            pool.zero_()
-            torch.cuda.synchronize()
-            if beside:  # the turn's compute stand-in, queued first so it covers the whole copy
-                with torch.cuda.stream(load_stream):
-                    for _ in range(1800):
-                        torch.mm(x, w)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            s.record()
-            fn()
-            e.record()
-            host_ms = (time.perf_counter() - t0) * 1e3
-            torch.cuda.synchronize()
-            out.append((round(s.elapsed_time(e), 2), round(host_ms, 2)))
-        return out
+    def gemms_beside() -> None:  # the turn's compute stand-in, queued first so it covers the whole copy
+        with torch.cuda.stream(load_stream):
+            for _ in range(1800):
+                torch.mm(x, w)
 
     def check() -> bool:
         picks = torch.linspace(0, n - 1, 6).long().tolist()
@@ -103,7 +83,7 @@ def main() -> None:
             for lo in range(0, C, chunks):
                 copy_2d(dst.data_ptr() + lo * n * W * 2, chunks * W * 2, lo, chunks, copy_stream)
             compute.wait_stream(copy_stream)
-        res[f"2D {width_kib} KiB"] = timed(dma)
+        res[f"2D {width_kib} KiB"] = timed(pool, dma)
         del dst
 
     def staged(layers: int, regions: int):
@@ -129,16 +109,16 @@ def main() -> None:
 
     for layers in (1, 2, 4, 8):
         for regions in (2, 3):
-            res[f"staged {layers}-layer groups, {regions} regions"] = timed(staged(layers, regions))
+            res[f"staged {layers}-layer groups, {regions} regions"] = timed(pool, staged(layers, regions))
             res[f"staged {layers}/{regions} ok"] = check()
 
     def zero_copy():
         for layer in range(32):
             page_copy(pool, pd, host, sd, 2 * layer, 2 * layer + 2, config=PageCopyConfig(num_programs=64))
-    res["zero-copy layered 64 progs"] = timed(zero_copy)
+    res["zero-copy layered 64 progs"] = timed(pool, zero_copy)
     res["zero-copy ok"] = check()
-    res["zero-copy layered, GEMMs beside"] = timed(zero_copy, beside=True)
-    res["staged 2-layer groups, 3 regions, GEMMs beside"] = timed(staged(2, 3), beside=True)
+    res["zero-copy layered, GEMMs beside"] = timed(pool, zero_copy, before=gemms_beside)
+    res["staged 2-layer groups, 3 regions, GEMMs beside"] = timed(pool, staged(2, 3), before=gemms_beside)
     res["staged beside ok"] = check()
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -155,7 +135,7 @@ def main() -> None:
         else:
             print(k, val)
     with open(os.environ.get("OUT", ".") + "/staged.json", "w") as f:
-        json.dump({"bytes": nbytes, "rows": N, "pages": n, "cudart": path, "results": res,
+        json.dump({"bytes": nbytes, "rows": N, "pages": n, "cudart": cudart()._name, "results": res,
                    "device": torch.cuda.get_device_name(), "torch": torch.__version__}, f, indent=1)
 
 

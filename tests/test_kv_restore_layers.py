@@ -383,17 +383,15 @@ def test_on_a_gpu_a_split_tail_lands_in_its_pages_and_the_pool_waits_only_once_a
     tiers.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layered copy reads pinned host rows from a GPU")
-@pytest.mark.parametrize("groups", ["", "halves", "2,3"])
-def test_on_a_gpu_a_restore_in_layer_groups_lands_and_each_layer_waits_for_its_group(monkeypatch, groups):
-    """``QML_RESTORE_GROUPS``: one launch copies several layers; a layer's event is its group's (the last layer's
-    group ends the restore)."""
+def _restore_five_on_a_gpu(monkeypatch, setting: str, value) -> tuple:
+    """A restore of five host blocks into pages 11, 4, 9, 13, 2 of a tiny-llama pool on the GPU, with
+    ``host_restores.<setting>`` set to ``value``: (config, cache, tiers, the blocks' host rows, pages), the
+    copy in flight."""
     from qml_runtime.kv import host_restores
-    from qml_runtime.kv.host_restores import layer_groups
     from qml_runtime.kv.host_tier import HostTier
     from qml_runtime.kv.tiers import KVTiers
 
-    monkeypatch.setattr(host_restores, "RESTORE_GROUPS", groups)
+    monkeypatch.setattr(host_restores, setting, value)
     cfg = PRESETS["tiny-llama"].config
     kv = KVCache(cfg, 16, 4, "cuda", torch.float16)
     tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=True), None)
@@ -402,15 +400,29 @@ def test_on_a_gpu_a_restore_in_layer_groups_lands_and_each_layer_waits_for_its_g
     tiers.locate_run(names, packed)
     pages = [11, 4, 9, 13, 2]
     assert tiers.restore_host(names, packed, pages) == 5 and kv.restoring
-    events = kv._restoring
-    for lo, hi in layer_groups(cfg.num_layers, groups):
-        assert all(events[layer] is events[lo] for layer in range(lo, hi))
-        assert hi == cfg.num_layers or events[hi] is not events[lo]
+    return cfg, kv, tiers, rows, pages
+
+
+def _landed(kv, tiers, rows, pages) -> None:
     kv.settle()
     for page, row in zip(pages, rows):
         assert torch.equal(kv.data[:, :, page].reshape(-1).view(torch.uint8).cpu(), row)
     tiers.close()
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layered copy reads pinned host rows from a GPU")
+@pytest.mark.parametrize("groups", ["", "halves", "2,3"])
+def test_on_a_gpu_a_restore_in_layer_groups_lands_and_each_layer_waits_for_its_group(monkeypatch, groups):
+    """``QML_RESTORE_GROUPS``: one launch copies several layers; a layer's event is its group's (the last layer's
+    group ends the restore)."""
+    from qml_runtime.kv.host_restores import layer_groups
+
+    cfg, kv, tiers, rows, pages = _restore_five_on_a_gpu(monkeypatch, "RESTORE_GROUPS", groups)
+    events = kv._restoring
+    for lo, hi in layer_groups(cfg.num_layers, groups):
+        assert all(events[layer] is events[lo] for layer in range(lo, hi))
+        assert hi == cfg.num_layers or events[hi] is not events[lo]
+    _landed(kv, tiers, rows, pages)
 
 def test_the_staged_copies_fill_a_region_as_page_copy_reads_it():
     """``staged_copies``' 2D copies (here applied to byte buffers) put rows' chunks where the staging view
@@ -442,25 +454,11 @@ def test_the_staged_copies_fill_a_region_as_page_copy_reads_it():
 @pytest.mark.parametrize("per", [1, 2])
 def test_on_a_gpu_a_staged_restore_lands_and_each_layer_waits_for_its_group(monkeypatch, per):
     """``QML_RESTORE_STAGED``: 2D copies into a staging ring and page_copy out of it; the pages hold the rows."""
-    from qml_runtime.kv import host_restores
     from qml_runtime.kv.host_restores import layer_groups
-    from qml_runtime.kv.host_tier import HostTier
-    from qml_runtime.kv.tiers import KVTiers
 
-    monkeypatch.setattr(host_restores, "RESTORE_STAGED", per)
-    cfg = PRESETS["tiny-llama"].config
-    kv = KVCache(cfg, 16, 4, "cuda", torch.float16)
-    tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=True), None)
-    blocks, rows = _host_blocks(tiers, 5)
-    names, packed = [n for n, _ in blocks], b"".join(t for _, t in blocks)
-    tiers.locate_run(names, packed)
-    pages = [11, 4, 9, 13, 2]
-    assert tiers.restore_host(names, packed, pages) == 5 and kv.restoring
+    cfg, kv, tiers, rows, pages = _restore_five_on_a_gpu(monkeypatch, "RESTORE_STAGED", per)
     assert tiers._dma_stream is not None  # the staged path ran
     events = kv._restoring
     for lo, hi in layer_groups(cfg.num_layers, [per] * cfg.num_layers):
         assert all(events[layer] is events[lo] for layer in range(lo, hi))
-    kv.settle()
-    for page, row in zip(pages, rows):
-        assert torch.equal(kv.data[:, :, page].reshape(-1).view(torch.uint8).cpu(), row)
-    tiers.close()
+    _landed(kv, tiers, rows, pages)

@@ -284,25 +284,29 @@ class HostRestores:
         stream.wait_stream(compute)  # pages spilled before this were gathered on the compute stream
         for event in self._slot_waits(sources):
             stream.wait_event(event)
+        pool, table = self.kv.chunk_views(self.host.slots)
+        staged = None if self.kv.codec else self._staged_elems(len(pages), len(sources), table)
         # rows padded to an even length: both start 16-byte aligned, as the kernel was compiled for
         width = len(pages) + len(pages) % 2
-        slot_of = [0] * width
-        for _, d, s, n in sources:
-            slot_of[d:d + n] = range(s, s + n)
-        index = int64_rows(pages + [0] * (width - len(pages)), slot_of, pin=True)
-        pool, table = self.kv.chunk_views(self.host.slots)
+        if staged is None:
+            slot_of = [0] * width
+            for _, d, s, n in sources:
+                slot_of[d:d + n] = range(s, s + n)
+            index = int64_rows(pages + [0] * (width - len(pages)), slot_of, pin=True)
+        else:  # (the staged copies name the slots themselves; the page ids alone go to the device)
+            index = int64_rows(pages + [0] * (width - len(pages)), pin=True)
         events = []
         with torch.cuda.stream(stream):
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             index = index.to(dev, non_blocking=True)
-            pages_d, slots_d = index[0, :len(pages)], index[1, :len(pages)]
+            pages_d = index[0, :len(pages)]
+            slots_d = index[1, :len(pages)] if staged is None else None
             programs = SPLIT_RESTORE_PROGRAMS if hold else RESTORE_PROGRAMS
             # encoded rows are decoded into the pages as they are read (``kv_codec.kv_load``)
             copy, config = (kv_load, KVCodecConfig(num_programs=programs)) if self.kv.codec else \
                 (page_copy, PageCopyConfig(num_programs=programs))
             layers = self.kv.data.shape[0]
-            staged = self._staged_ring(len(pages), len(sources), table) if not self.kv.codec else None
             for lo, hi in ([] if staged is not None else layer_groups(layers, RESTORE_GROUPS)):
                 copy(pool, pages_d, table, slots_d, 2 * lo, 2 * hi, config=config)
                 if lo == 0:
@@ -311,7 +315,8 @@ class HostRestores:
                 event.record()
                 events += [event] * (hi - lo)  # a layer is read once its group has landed
             if staged is not None:
-                events = self._upload_staged(staged, pool, pages_d, table, sources)
+                ring = torch.empty(staged, dtype=table.dtype, device=dev)  # (on the restore stream)
+                events = self._upload_staged(ring, pool, pages_d, table, sources)
         self._uploads += 1
         if not hold:
             self.kv.restore_events(events, self._uploads)
@@ -320,20 +325,20 @@ class HostRestores:
         self._timing.append((start, events[-1], len(pages) * self.block_bytes))
         return events
 
-    def _staged_ring(self, n_pages: int, n_runs: int, table: torch.Tensor) -> torch.Tensor | None:
-        """The staging ring for a staged restore of ``n_pages`` in ``n_runs`` slot runs (one row's width in
-        front of the regions and one after them, so that a region seen as whole rows stays inside the
-        tensor: ``_upload_staged``), or None where the restore goes through the kernel."""
+    def _staged_elems(self, n_pages: int, n_runs: int, table: torch.Tensor) -> int | None:
+        """The elements of the staging ring a staged restore of ``n_pages`` in ``n_runs`` slot runs takes (one
+        row's width in front of the regions and one after them, so that a region seen as whole rows stays
+        inside the tensor: ``_upload_staged``), or None where the restore goes through the kernel."""
         if RESTORE_STAGED < 1:
             return None
         C, W = table.shape[1], table.shape[2]
-        region = n_pages * 2 * RESTORE_STAGED * W
-        nbytes = (2 * C * W + STAGED_REGIONS * region) * table.element_size()
+        elems = 2 * C * W + STAGED_REGIONS * n_pages * 2 * RESTORE_STAGED * W
+        nbytes = elems * table.element_size()
         if n_runs > STAGED_MAX_RUNS or nbytes > STAGED_MAX_BYTES:
             log.debug("restore of %d pages in %d slot runs through the kernel: a staged one would take %d 2D "
                       "copies a group and %.0f MB of staging", n_pages, n_runs, n_runs, nbytes / 1e6)
             return None
-        return torch.empty(2 * C * W + STAGED_REGIONS * region, dtype=table.dtype, device=self.kv.data.device)
+        return elems
 
     def _upload_staged(self, staging: torch.Tensor, pool: torch.Tensor, pages_d: torch.Tensor,
                        table: torch.Tensor, sources) -> list:
