@@ -188,8 +188,43 @@ def section_gputurn(args, device) -> None:
                              "sdpa_us": _kernel_calls(prof, "sdpa") if cuda else None,
                              "top": [{"kernel": k[:90], "calls": c, "ms": round(ms, 3)} for k, c, ms in rows[:12]]}
         print(f"gpu turn {new}:", json.dumps(results[str(new)]), flush=True)
+    if device.type == "cuda":
+        try:
+            results["clock_probe"] = _clock_probe(engine, ids, hist, one)
+        except Exception as e:  # noqa: BLE001 - a probe's failure must not lose the section's numbers
+            results["clock_probe"] = {"error": repr(e)}
+        print("clock probe:", json.dumps(results["clock_probe"]), flush=True)
     record("gputurn", **results)
     engine.shutdown()
+
+
+def _clock_probe(engine, ids, hist: list[int], one) -> dict:
+    """The profiled 150-token turn again, after the GPU sat idle for 2 s and right after ~0.2 s of GEMMs
+    (synchronized before the submit): whether the cuDNN kernel's ~223 us a layer in the engine, against
+    ~150 in a bench that keeps the GPU busy, follows the GPU's state (clocks) rather than the turn. The wall
+    times (``time.time()``) line up with the driver's ``nvidia-smi`` samples."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a, b = (torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty_like(a)
+    out = {}
+    for name in ("after-idle", "after-gemms", "after-idle-2", "after-gemms-2"):
+        torch.cuda.synchronize()
+        if name.startswith("after-idle"):
+            time.sleep(2.0)
+        else:
+            for _ in range(1200):  # ~0.2 s of GEMMs (random operands: a full power draw), on the engine's stream
+                torch.mm(a, b, out=c)
+            torch.cuda.synchronize()
+        hist = hist + ids(150)
+        t0 = time.time()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            wall = _timed_request(engine, hist, one)[0] * 1e3
+        rows = _kernel_rows(prof, True)
+        out[name] = {"wall_s": round(t0, 3), "ttft_ms": round(wall, 2), "gpu_ms": round(sum(r[2] for r in rows), 2),
+                     "sdpa_us": _kernel_calls(prof, "sdpa"), "gemm_us": _kernel_calls(prof, "nvjet"),
+                     "top": [{"kernel": k[:60], "calls": n, "ms": round(ms, 3)} for k, n, ms in rows[:4]]}
+    return out
 
 
 def section_afterfresh(args, device) -> None:
