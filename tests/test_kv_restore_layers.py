@@ -383,15 +383,16 @@ def test_on_a_gpu_a_split_tail_lands_in_its_pages_and_the_pool_waits_only_once_a
     tiers.close()
 
 
-def _restore_five_on_a_gpu(monkeypatch, setting: str, value) -> tuple:
+def _restore_five_on_a_gpu(monkeypatch, **settings) -> tuple:
     """A restore of five host blocks into pages 11, 4, 9, 13, 2 of a tiny-llama pool on the GPU, with
-    ``host_restores.<setting>`` set to ``value``: (config, cache, tiers, the blocks' host rows, pages), the
+    ``host_restores.<setting>`` set to each value: (config, cache, tiers, the blocks' host rows, pages), the
     copy in flight."""
     from qml_runtime.kv import host_restores
     from qml_runtime.kv.host_tier import HostTier
     from qml_runtime.kv.tiers import KVTiers
 
-    monkeypatch.setattr(host_restores, setting, value)
+    for setting, value in settings.items():
+        monkeypatch.setattr(host_restores, setting, value)
     cfg = PRESETS["tiny-llama"].config
     kv = KVCache(cfg, 16, 4, "cuda", torch.float16)
     tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=True), None)
@@ -417,7 +418,7 @@ def test_on_a_gpu_a_restore_in_layer_groups_lands_and_each_layer_waits_for_its_g
     group ends the restore)."""
     from qml_runtime.kv.host_restores import layer_groups
 
-    cfg, kv, tiers, rows, pages = _restore_five_on_a_gpu(monkeypatch, "RESTORE_GROUPS", groups)
+    cfg, kv, tiers, rows, pages = _restore_five_on_a_gpu(monkeypatch, RESTORE_GROUPS=groups, RESTORE_STAGED=0)
     events = kv._restoring
     for lo, hi in layer_groups(cfg.num_layers, groups):
         assert all(events[layer] is events[lo] for layer in range(lo, hi))
@@ -453,11 +454,20 @@ def test_the_staged_copies_fill_a_region_as_page_copy_reads_it():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the staged restore copies pinned host rows on a GPU")
 @pytest.mark.parametrize("per", [1, 2])
 def test_on_a_gpu_a_staged_restore_lands_and_each_layer_waits_for_its_group(monkeypatch, per):
-    """``QML_RESTORE_STAGED``: 2D copies into a staging ring and page_copy out of it; the pages hold the rows."""
-    from qml_runtime.kv.host_restores import layer_groups
+    """``QML_RESTORE_STAGED``: 2D copies into a staging ring and page_copy out of it; the pages hold the rows. The
+    tiers warm the path up at start with a restore of one page."""
+    from qml_runtime.kv.host_restores import HostRestores, layer_groups
 
-    cfg, kv, tiers, rows, pages = _restore_five_on_a_gpu(monkeypatch, "RESTORE_STAGED", per)
-    assert tiers._dma_stream is not None  # the staged path ran
+    staged_pages = []
+    upload_staged = HostRestores._upload_staged
+
+    def counted(self, staging, pool, pages_d, *args):
+        staged_pages.append(pages_d.numel())
+        return upload_staged(self, staging, pool, pages_d, *args)
+
+    monkeypatch.setattr(HostRestores, "_upload_staged", counted)
+    cfg, kv, tiers, rows, pages = _restore_five_on_a_gpu(monkeypatch, RESTORE_STAGED=per)
+    assert staged_pages == [1, 5]  # the warm-up's page, then the restore's five
     events = kv._restoring
     for lo, hi in layer_groups(cfg.num_layers, [per] * cfg.num_layers):
         assert all(events[layer] is events[lo] for layer in range(lo, hi))

@@ -105,7 +105,7 @@ class KVTiers(HostRestores, DiskLoads):  # (restores from host RAM, loads from d
         # at high priority: the turn's prefill kernels fill every SM, and each layer's copy programs
         # should get the next free ones, as the prefill waits for them
         self._restore_stream = torch.cuda.Stream(kv.data.device, priority=-1) if self._cuda else None
-        self._dma_stream = None  # the staged restore's 2D copies (QML_RESTORE_STAGED), made on first use
+        self._dma_stream = None  # the staged restore's 2D copies (QML_RESTORE_STAGED), made at its warm-up
         self._restored = None  # the last restore's final event: the link is busy until then (``pump``)
         # (host slots read, final event) of restores that may still run: a slot is reused only after them
         self._reads: list[tuple[set, object]] = []
