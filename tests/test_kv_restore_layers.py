@@ -425,6 +425,7 @@ def test_on_a_gpu_a_restore_in_layer_groups_lands_and_each_layer_waits_for_its_g
         assert hi == cfg.num_layers or events[hi] is not events[lo]
     _landed(kv, tiers, rows, pages)
 
+
 def test_the_staged_copies_fill_a_region_as_page_copy_reads_it():
     """``staged_copies``' 2D copies (here applied to byte buffers) put rows' chunks where the staging view
     that page_copy scatters from has them: the restore through the copy engines lands what page_copy_ref does."""

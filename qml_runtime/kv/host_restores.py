@@ -111,6 +111,13 @@ def staged_copies(runs: Sequence[tuple[int, int, int]], host: int, row_bytes: in
             for d, s, count in runs]
 
 
+def _ring_elems(n_pages: int, table: torch.Tensor) -> int:
+    """The staging ring's elements for ``n_pages`` (``STAGED_REGIONS`` regions of ``RESTORE_STAGED`` layers of each
+    page, and one host row's width each side of them: ``HostRestores._upload_staged``)."""
+    C, W = table.shape[1], table.shape[2]
+    return 2 * C * W + STAGED_REGIONS * n_pages * 2 * RESTORE_STAGED * W
+
+
 class HostRestores:
     """``KVTiers``' way up: finding a history's blocks in the tiers below, planning, and copying them in."""
 
@@ -284,13 +291,10 @@ class HostRestores:
                 self._upload_staged(ring, pool, zero, table, [(self.host.slots, 0, 0, 1)])
                 del ring
                 # allocated and freed: torch's caching allocator keeps the block for this stream (and
-                # releases it if another allocation would fail without it)
-                per_page = STAGED_REGIONS * 2 * RESTORE_STAGED * table.shape[2] * table.element_size()
-                margin = 2 * table.shape[1] * table.shape[2] * table.element_size()  # (_staged_elems)
-                pages = min(self.kv.num_blocks, self.host.capacity, (STAGED_MAX_BYTES - margin) // per_page)
-                largest = self._staged_elems(pages, 1, table)
-                if largest:
-                    torch.empty(largest, dtype=table.dtype, device=dev)
+                # releases it if another allocation would fail without it). No restore's ring is larger.
+                largest = min(_ring_elems(min(self.kv.num_blocks, self.host.capacity), table),
+                              STAGED_MAX_BYTES // table.element_size())
+                torch.empty(largest, dtype=table.dtype, device=dev)
             torch.cuda.synchronize(dev)
         except Exception:  # noqa: BLE001 - the first restore pays what the warm-up could not do
             log.warning("the staged restore's warm-up failed; the first restore will pay it", exc_info=True)
@@ -358,8 +362,7 @@ class HostRestores:
         inside the tensor: ``_upload_staged``), or None where the restore goes through the kernel."""
         if RESTORE_STAGED < 1:
             return None
-        C, W = table.shape[1], table.shape[2]
-        elems = 2 * C * W + STAGED_REGIONS * n_pages * 2 * RESTORE_STAGED * W
+        elems = _ring_elems(n_pages, table)
         nbytes = elems * table.element_size()
         if n_runs > STAGED_MAX_RUNS or nbytes > STAGED_MAX_BYTES:
             log.debug("restore of %d pages in %d slot runs through the kernel: a staged one would take %d 2D "
