@@ -23,7 +23,9 @@ Sections (each runs on its own; a failure is recorded and the next one runs):
 - ``hostturn``, ``gputurn``, ``afterfresh`` (``engine_turns.py``): the next turn of a 27k-token
   conversation, its history restored from host RAM, in GPU memory, or in GPU memory right after an
   unrelated long prompt (the sessions bench's cases, without the server); ``--timeline``: the
-  device's work per stream and bin, ``--sample-stacks``: the engine thread's stack every ms.
+  device's work per stream and bin, ``--sample-stacks``: the engine thread's stack every ms;
+  ``gputurn``'s ``--probes``: ``launch`` (host stamps and graph events of unprofiled turns),
+  ``clock`` (the profiled turn after idle and after GEMMs).
 - ``prefillprobe``: fresh prefills of 1k-4k tokens timed in two engine starts, three of them
   profiled (GPU kernel time, launches, host syncs): where a mid-size prefill's time goes.
 
@@ -505,6 +507,11 @@ def main() -> int:
     parser.add_argument("--profile-loop", action="store_true",
                         help="run each engine's loop thread under cProfile; its stats go to OUT/loop-*.txt")
     parser.add_argument("--turns", type=int, default=3, help="hostturn: turns over the history")
+    parser.add_argument("--gputurn-sizes", default="219,150",
+                        help="gputurn: new tokens of the timed and profiled turns (empty: the probes alone)")
+    parser.add_argument("--probes", default="launch",
+                        help="gputurn: probes after the turns, comma-separated: clock (the profiled turn after idle "
+                             "and after GEMMs), launch (host stamps and graph events of unprofiled turns)")
     parser.add_argument("--timeline", action="store_true",
                         help="hostturn: the device's timeline from the burst's last prompt through the first turn; "
                              "gputurn: through the profiled turns (OUT/*-timeline.txt, *-trace.json)")

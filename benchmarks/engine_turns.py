@@ -5,6 +5,7 @@ turn of a 27k-token conversation, its history in host RAM or in GPU memory, time
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import torch
@@ -154,7 +155,7 @@ def section_gputurn(args, device) -> None:
 
     turn_prof = TurnProfile() if args.profile_turn else None
     results = {}
-    for new in (219, 150):
+    for new in (int(x) for x in args.gputurn_sizes.split(",") if x):
         times, splits = [], []
         for _ in range(3):
             hist = hist + ids(new)
@@ -188,12 +189,13 @@ def section_gputurn(args, device) -> None:
                              "sdpa_us": _kernel_calls(prof, "sdpa") if cuda else None,
                              "top": [{"kernel": k[:90], "calls": c, "ms": round(ms, 3)} for k, c, ms in rows[:12]]}
         print(f"gpu turn {new}:", json.dumps(results[str(new)]), flush=True)
-    if device.type == "cuda":
+    probes = {"clock": _clock_probe, "launch": _launch_probe}
+    for name in (p for p in args.probes.split(",") if p) if device.type == "cuda" else ():
         try:
-            results["clock_probe"] = _clock_probe(engine, ids, hist, one)
+            results[f"{name}_probe"] = probes[name](engine, ids, hist, one)
         except Exception as e:  # noqa: BLE001 - a probe's failure must not lose the section's numbers
-            results["clock_probe"] = {"error": repr(e)}
-        print("clock probe:", json.dumps(results["clock_probe"]), flush=True)
+            results[f"{name}_probe"] = {"error": repr(e)}
+        print(f"{name} probe:", json.dumps(results[f"{name}_probe"]), flush=True)
     record("gputurn", **results)
     engine.shutdown()
 
@@ -225,6 +227,74 @@ def _clock_probe(engine, ids, hist: list[int], one) -> dict:
                      "sdpa_us": _kernel_calls(prof, "sdpa"), "gemm_us": _kernel_calls(prof, "nvjet"),
                      "top": [{"kernel": k[:60], "calls": n, "ms": round(ms, 3)} for k, n, ms in rows[:4]]}
     return out
+
+
+def _launch_probe(engine, ids, hist: list[int], one, turns: int = 3) -> dict:
+    """Where the 150-token GPU-history turn's host time goes, unprofiled: host stamps (perf_counter) at the
+    prefill graph's ``run`` (after the engine's wake-up and schedule), around its ``replay`` call and when the
+    token reaches the host, and CUDA events around the replay (the graph's device time, the GPU idle before).
+    Turns after 2 s idle (uncapped clocks) and back to back; ms from the submit. In the ``preload`` turns a
+    3 ms sleep kernel runs before the first event, so the graph is all queued when the GPU reaches it: its
+    device time then has no launch latency in it (the difference is what the replay call leaves exposed)."""
+    from qml_runtime import runner
+    from qml_runtime.cuda_graphs import PrefillGraphs
+
+    stamps: dict = {}
+    run, replay, host_values = PrefillGraphs.run, PrefillGraphs._replay, runner.ModelRunner._host_values
+
+    def run_probe(self, seq, n):
+        stamps.setdefault("run", time.perf_counter())
+        return run(self, seq, n)
+
+    def replay_probe(self, key):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stamps["replay"] = time.perf_counter()
+        if stamps.get("preload"):
+            torch.cuda._sleep(6_000_000)  # ~3 ms at the H100/H200's clocks
+        e0.record()
+        out = replay(self, key)
+        e1.record()
+        stamps["replayed"], stamps["events"] = time.perf_counter(), (e0, e1)
+        return out
+
+    def host_values_probe(tokens, while_running):
+        out = host_values(tokens, while_running)
+        stamps["token"] = time.perf_counter()
+        return out
+
+    PrefillGraphs.run, PrefillGraphs._replay = run_probe, replay_probe
+    runner.ModelRunner._host_values = staticmethod(host_values_probe)
+    rows = []
+    try:
+        modes = [m for m in ("idle", "idle-preload", "turns", "turns-preload") for _ in range(turns)]
+        for mode in modes:
+            torch.cuda.synchronize()
+            if mode.startswith("idle"):
+                time.sleep(2.0)
+            hist = hist + ids(150)
+            stamps.clear()
+            stamps["preload"] = mode.endswith("preload")
+            t0 = time.perf_counter()
+            ttft = _timed_request(engine, hist, one)[0] * 1e3
+            e0, e1 = stamps["events"]
+            e1.synchronize()
+
+            def ms(a, b):
+                return round((stamps[b] - (t0 if a == "submit" else stamps[a])) * 1e3, 3)
+            graph = e0.elapsed_time(e1)
+            rows.append({"mode": mode, "ttft": round(ttft, 3),
+                         "submit_to_run": ms("submit", "run"), "run_to_replay": ms("run", "replay"),
+                         "replay_call": ms("replay", "replayed"), "graph_device": round(graph, 3),
+                         "replay_to_token": ms("replay", "token"),
+                         # what the host adds after the replay's start beyond the graph's device time
+                         "wait_excess": round(ms("replay", "token") - graph, 3),
+                         "token_to_emit": round(ttft - ms("submit", "token"), 3)})
+    finally:
+        PrefillGraphs.run, PrefillGraphs._replay = run, replay
+        runner.ModelRunner._host_values = staticmethod(host_values)
+    medians = {mode: {k: round(statistics.median(r[k] for r in rows if r["mode"] == mode), 3)
+                      for k in rows[0] if k != "mode"} for mode in dict.fromkeys(modes)}
+    return {"medians": medians, "turns": rows}
 
 
 def section_afterfresh(args, device) -> None:

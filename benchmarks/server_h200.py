@@ -9,7 +9,8 @@ serve`` with the seed table's sizes and 32 concurrent 2k-token conversations, st
 ``sessions``: one server with a small GPU pool, a host tier and a disk tier:
 1. ``qml bench sessions`` builds U conversations of 20 turns of ~133 tokens on a ~23k-token first
    message (~27k tokens of history each);
-2. the next turn (133 tokens) with the history in GPU memory, beside a fresh full prefill;
+2. the next turn (133 tokens) with the history in GPU memory, beside a fresh full prefill (sent after
+   the round's turns; ``--gpu-orders round,turn``: also a turn with each sent right after its turn);
 3. unrelated prompts push the histories out of the GPU pool; the next turn comes from host RAM;
 4. the server is stopped, the store's files are dropped from the page cache
    (``posix_fadvise(DONTNEED)``: a cold read, without root), a new server starts on the same
@@ -103,7 +104,7 @@ def run_serve(out: Path, prompt_tokens: str, concurrency: int, repeats: int = 3,
 
 
 def run_sessions(out: Path, users: int, turns: int, turn_tokens: int, tier_flags: str, evict_tokens: int,
-                 first_turn_tokens: int) -> int:
+                 first_turn_tokens: int, gpu_orders: tuple[str, ...] = ("round",)) -> int:
     store = Path("/tmp/qml-kv-store")
     shutil.rmtree(store, ignore_errors=True)
     flags = (*tier_flags.split(), "--kv-disk-dir", str(store))
@@ -114,9 +115,14 @@ def run_sessions(out: Path, users: int, turns: int, turn_tokens: int, tier_flags
                     "--turn-tokens", str(turn_tokens), "--first-turn-tokens", str(first_turn_tokens),
                     "--reply-tokens", "64", "--session-ids",
                     "--save", str(out / "conv-build.json"), "--out", str(out / "sessions-build.json"))
-        rc |= bench(out, "sessions-gpu", "sessions", "--resume", str(out / "conv-build.json"), "--turn-tokens", "133",
-                    "--fresh", "--save", str(out / "conv-gpu.json"), "--out", str(out / "sessions-gpu.json"))
-        rc |= bench(out, "sessions-host", "sessions", "--resume", str(out / "conv-gpu.json"), "--turn-tokens", "133",
+        conv = out / "conv-build.json"
+        for i, order in enumerate(gpu_orders):  # a turn each, the fresh prefills after the round or each turn
+            name = "gpu" if i == 0 else f"gpu-{order}"
+            rc |= bench(out, f"sessions-{name}", "sessions", "--resume", str(conv), "--turn-tokens", "133",
+                        "--fresh", "--fresh-order", order, "--save", str(out / f"conv-{name}.json"),
+                        "--out", str(out / f"sessions-{name}.json"))
+            conv = out / f"conv-{name}.json"
+        rc |= bench(out, "sessions-host", "sessions", "--resume", str(conv), "--turn-tokens", "133",
                     # no --fresh here: its full prefills would fill the disk budget the histories need
                     "--phase", "evict", "--evict-tokens", str(evict_tokens),
                     "--save", str(out / "conv-host.json"), "--out", str(out / "sessions-host.json"))
@@ -155,6 +161,9 @@ def main() -> int:
     parser.add_argument("--tier-flags", default="--kv-cache-gib 10 --kv-host-gib 40 --kv-disk-gib 40",
                         help="sessions: the pool and tier budgets")
     parser.add_argument("--evict-tokens", type=int, default=100000)
+    parser.add_argument("--gpu-orders", default="round",
+                        help="sessions: the GPU-history turn once per order of its fresh prefills, comma-separated "
+                             "(qml bench sessions --fresh-order: round, turn), each a turn further")
     parser.add_argument("--serve-flags", default="", help="more `qml serve` flags, space-separated")
     args = parser.parse_args()
     globals()["PRESET"] = args.preset
@@ -164,7 +173,7 @@ def main() -> int:
     rc = run_serve(args.out, args.prompt_tokens, args.concurrency, args.repeats,
                    args.length_step) if args.mode == "serve" else run_sessions(
         args.out, args.users, args.turns, args.turn_tokens, args.tier_flags, args.evict_tokens,
-        args.first_turn_tokens)
+        args.first_turn_tokens, tuple(args.gpu_orders.split(",")))
     print(json.dumps({"mode": args.mode, "rc": rc, "seconds": round(time.time() - t0, 1)}), flush=True)
     return rc
 

@@ -44,8 +44,11 @@ it is tested on machines without a GPU.
 from __future__ import annotations
 
 import logging
+import math
 import time
+from array import array
 
+import numpy as np
 import torch
 
 from qml_kernels import attention_turn
@@ -93,10 +96,12 @@ def sampling_rows(seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
 class _Sampling:
     """Static per-row sampling parameters (filled per step) and the step's sampled tokens."""
 
-    def __init__(self, rows: int, device: torch.device):
-        self.floats = torch.zeros(3, rows, dtype=torch.float32, device=device)  # temperature, top_p, min_p
-        self.ints = torch.zeros(3, rows, dtype=torch.int64, device=device)  # top_k, seed, step
-        self.floats[1] = 1.0
+    def __init__(self, rows: int, device: torch.device, floats: torch.Tensor | None = None,
+                 ints: torch.Tensor | None = None):
+        # (``floats`` [3, rows] and ``ints`` [3, rows]: views of a step's input buffer, where one is kept)
+        self.floats = torch.zeros(3, rows, dtype=torch.float32, device=device) if floats is None else floats
+        self.ints = torch.zeros(3, rows, dtype=torch.int64, device=device) if ints is None else ints
+        self.floats[1] = 1.0  # temperature, top_p, min_p; top_k, seed, step
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         n = logits.shape[0]
@@ -270,20 +275,29 @@ class PrefillGraphs(_GraphFamily):
     def __init__(self, model, kv, device, max_context: int, capture: bool = True, pool=None,
                  buckets: tuple[int, ...] = PREFILL_BUCKETS):
         super().__init__(model, kv, device, list(buckets), max_context, capture, pool)
-        T, dev = self.buckets[-1], device
+        T = self.buckets[-1]
         self.max_tokens = T
-        self.inputs = torch.zeros(3, T, dtype=torch.int64, device=dev)  # token id, position, slot
-        # sequence 0 is the real one, sequence 1 the padding (its table row stays all page 0)
-        self.block_tables = torch.zeros(2, self.max_pages, dtype=torch.int32, device=dev)
-        self.lens = torch.zeros(2, 3, dtype=torch.int32, device=dev)  # row 0: cu_seqlens_q, row 1: context_lens
-        self.last_row = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.sampling = _Sampling(1, dev)
-        self._host = torch.zeros(3, T, dtype=torch.int64, pin_memory=self.pinned)
-        self._host_lens = torch.zeros(2, 3, dtype=torch.int32, pin_memory=self.pinned)
-        self._host_last = torch.zeros(1, dtype=torch.int64, pin_memory=self.pinned)
-        self._host_f = torch.zeros(3, 1, dtype=torch.float32, pin_memory=self.pinned)
-        self._host_i = torch.zeros(3, 1, dtype=torch.int64, pin_memory=self.pinned)
-        self._host_table = torch.zeros(self.max_pages, dtype=torch.int32, pin_memory=self.pinned)
+        # Every input of a step is a view of one device buffer, filled by one copy from a pinned host area of the
+        # same layout written through numpy: the ~25 torch calls and six copies this took before cost ~1 ms of
+        # host time on the H100 machine's CPU (each call 10-40 us), in front of a GPU-history turn's replay while
+        # the GPU waited (benchmarks/results/turn-launch-2026-12-05.md). Regions are 256-byte aligned.
+        self._layout = _Layout((("inputs", torch.int64, (3, T)),  # token id, position, slot
+                                ("last_row", torch.int64, (1,)),
+                                ("ints", torch.int64, (3, 1)),  # top_k, seed, step
+                                ("floats", torch.float32, (3, 1)),  # temperature, top_p, min_p
+                                ("lens", torch.int32, (2, 3)),  # row 0: cu_seqlens_q, row 1: context_lens
+                                # sequence 0 is the real one, sequence 1 the padding (its row stays all page 0);
+                                # last, so a step copies the table only as wide as its sequence's
+                                ("block_tables", torch.int32, (2, self.max_pages))))
+        self._dev_bytes = torch.zeros(self._layout.nbytes, dtype=torch.uint8, device=device)
+        dev = self._layout.tensors(self._dev_bytes)
+        self.inputs, self.last_row, self.block_tables, self.lens = (dev[k] for k in
+                                                                     ("inputs", "last_row", "block_tables", "lens"))
+        self.sampling = _Sampling(1, device, dev["floats"], dev["ints"])
+        self._host_bytes = torch.zeros(self._layout.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self._host = {k: t.numpy() for k, t in self._layout.tensors(self._host_bytes).items()}
+        self._host["floats"][1] = 1.0
+        self._table_at = self._layout.offsets["block_tables"]
         self._eager_host: tuple[list[int], list[int]] = ([], [])
 
     def fits(self, num_tokens: int, num_pages: int) -> bool:
@@ -331,32 +345,59 @@ class PrefillGraphs(_GraphFamily):
     def run(self, seq, n: int) -> torch.Tensor:
         """Compute the next ``n`` tokens of ``seq`` -> the token sampled after them, [1] on the device
         (meaningful when they end the sequence's uncomputed tokens)."""
+        key = self.stage(seq, n)
+        if not self.capture_enabled:
+            return self._eager(key)
+        tokens = self._replay(key)
+        return self.run(seq, n) if tokens is None else tokens
+
+    def stage(self, seq, n: int) -> tuple[int, bool]:
+        """Write the step's inputs to the host area and queue their one copy to the device; -> the graph's key."""
         S, start = self.block_size, seq.num_computed
         L = start + n
         key = self.key(n, L)
         T = key[0]
-        host = self._host
-        host[0, :n] = torch.tensor(seq.token_ids[start:L], dtype=torch.int64)
-        pos = torch.arange(start, L)
-        host[1, :n] = pos
-        table = block_tables_tensor([seq.block_table])[0]
-        host[2, :n] = table[pos // S].long() * S + pos % S
-        host[:, n:T] = 0
-        host[2, n:T] = -1  # padding rows write no K/V
-        self._host_lens[0] = torch.tensor([0, n, T], dtype=torch.int32)
-        self._host_lens[1] = torch.tensor([L, T - n, 0], dtype=torch.int32)  # padding: T - n rows over T - n keys
-        self._host_last[0] = n - 1
+        h = self._host
+        inputs = h["inputs"]
+        inputs[0, :n] = seq.token_ids[start:L]
+        pos = np.arange(start, L)
+        inputs[1, :n] = pos
+        # the slots of the new tokens, from the pages they fall in (a handful, not the whole table)
+        first = start // S
+        pages = np.array(seq.block_table[first:(L - 1) // S + 1], dtype=np.int64)
+        inputs[2, :n] = pages[pos // S - first] * S + pos % S
+        inputs[:, n:T] = 0
+        inputs[2, n:T] = -1  # padding rows write no K/V
+        h["lens"][:] = ((0, n, T), (L, T - n, 0))  # padding: T - n rows over T - n keys
+        h["last_row"][0] = n - 1
         width = len(seq.block_table)
-        self._host_table[:width] = table
-        _Sampling.host_rows([seq], self._host_f, self._host_i)
-        self.inputs[:, :T].copy_(host[:, :T], non_blocking=True)
-        self.lens.copy_(self._host_lens, non_blocking=True)
-        self.last_row.copy_(self._host_last, non_blocking=True)
-        self.block_tables[0, :width].copy_(self._host_table[:width], non_blocking=True)
-        self.sampling.floats.copy_(self._host_f, non_blocking=True)
-        self.sampling.ints.copy_(self._host_i, non_blocking=True)
+        h["block_tables"][0, :width] = np.frombuffer(array("i", seq.block_table), dtype=np.int32)
+        p = seq.params
+        h["floats"][:, 0] = (p.temperature, p.top_p, p.min_p)
+        h["ints"][:, 0] = (p.top_k, seq.seed, seq.num_output_tokens)
+        end = self._table_at + 4 * width
+        self._dev_bytes[:end].copy_(self._host_bytes[:end], non_blocking=True)
         if not self.capture_enabled:
             self._eager_host = ([0, n, T], [L, T - n])
-            return self._eager(key)
-        tokens = self._replay(key)
-        return self.run(seq, n) if tokens is None else tokens
+        return key
+
+
+class _Layout:
+    """Named tensors of fixed dtypes and shapes packed into one byte buffer, each region 256-byte aligned."""
+
+    ALIGN = 256
+
+    def __init__(self, regions: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]):
+        self.regions, self.offsets, at = regions, {}, 0
+        for name, dtype, shape in regions:
+            self.offsets[name] = at
+            at += -(-math.prod(shape) * dtype.itemsize // self.ALIGN) * self.ALIGN
+        self.nbytes = at
+
+    def tensors(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of ``buffer`` (uint8, ``nbytes``) as the named tensors."""
+        out = {}
+        for name, dtype, shape in self.regions:
+            at = self.offsets[name]
+            out[name] = buffer[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        return out

@@ -20,8 +20,13 @@ tokens each), ``host``, ``disk`` or a mix (``gpu+disk``), ``recomputed`` (histor
 nothing cached) or ``new`` (turn 1).
 
 For every turn the bench records TTFT, ``prompt_tokens`` and ``cached_tokens``. With
-``--fresh``, each turn's prompt is also sent again right after it (``max_tokens=1``) with a
-fresh ``cache_salt``: a full prefill of the same length, shown beside the turn's TTFT.
+``--fresh``, each turn's prompt is also sent again (``max_tokens=1``) with a fresh
+``cache_salt``: a full prefill of the same length, shown beside the turn's TTFT. By default
+these go after the round's turns (``--fresh-order round``), so that no measured turn follows
+the bench's own baseline: a 27k-token prefill draws the H200 to its 700 W power limit, and a
+short turn right after it ran at the capped clock (its attention ~228 against ~153 us a layer,
+benchmarks/results/restore-h200-2026-12-05.md), so the second user's turn measured the
+baseline's heat. ``--fresh-order turn`` sends each right after its turn, as before.
 
 Phases (``--phase``): ``gpu``, nothing between turns (the histories stay in GPU memory if
 they fit); ``evict``, before every round but the first, ``--evict-tokens`` tokens of
@@ -70,6 +75,7 @@ SAVE_FORMAT = "qml-bench-sessions/1"
 PAGE_TOKENS = 16  # qml's KV page; only used to split a turn's cached tokens between the GPU and the restored pages
 DEFAULT_USERS, DEFAULT_TURNS, DEFAULT_TURN_TOKENS, DEFAULT_REPLY_TOKENS = 4, 4, 133, 128
 PHASES = ("gpu", "evict")
+FRESH_ORDERS = ("round", "turn")
 RESTORED = "qml:kv_restored_blocks_total"
 REUSED_REPLY_IDS = "qml:kept_reply_reused_tokens_total"  # prompt ids taken from kept replies (qml_server.replies)
 RECOMPUTED = "qml:kv_recomputed_blocks_total"
@@ -133,10 +139,12 @@ def run_sessions(base_url: str, api_key: str | None = None, model: str | None = 
                  session_ids: bool = False, resume: dict | None = None, resumed_from: str | None = None,
                  metrics_url: str | None = None, timeout: float = 600.0, command: str | None = None,
                  progress: Callable[[str], None] = lambda _: None,
-                 first_turn_tokens: int | None = None) -> tuple[dict, dict]:
+                 first_turn_tokens: int | None = None, fresh_order: str = "round") -> tuple[dict, dict]:
     """Play the conversations; returns (the result record, the conversations' state for ``--save``)."""
     if phase not in PHASES:
         raise BenchError(f"unknown phase {phase!r}: use one of {', '.join(PHASES)}")
+    if fresh_order not in FRESH_ORDERS:
+        raise BenchError(f"unknown fresh order {fresh_order!r}: use one of {', '.join(FRESH_ORDERS)}")
     if phase == "evict" and not evict_tokens:
         raise BenchError("--phase evict needs --evict-tokens N (more than the GPU's KV pages hold)")
     if resume is not None and users is not None:
@@ -144,7 +152,7 @@ def run_sessions(base_url: str, api_key: str | None = None, model: str | None = 
     client = Client(base_url, api_key, timeout, metrics_url=metrics_url)
     try:
         return _run(client, base_url, model, users, turns, turn_tokens, reply_tokens, fresh, phase, evict_tokens,
-                    session_ids, resume, resumed_from, command, progress, first_turn_tokens)
+                    session_ids, resume, resumed_from, command, progress, first_turn_tokens, fresh_order)
     except _httpx().HTTPError as exc:
         raise BenchError(f"{base_url}: {type(exc).__name__}: {exc}") from exc
     finally:
@@ -154,7 +162,8 @@ def run_sessions(base_url: str, api_key: str | None = None, model: str | None = 
 def _run(client: Client, base_url: str, model: str | None, users: int | None, turns: int | None,
          turn_tokens: int | None, reply_tokens: int | None, fresh: bool, phase: str, evict_tokens: int | None,
          session_ids: bool, resume: dict | None, resumed_from: str | None, command: str | None,
-         progress: Callable[[str], None], first_turn_tokens: int | None = None) -> tuple[dict, dict]:
+         progress: Callable[[str], None], first_turn_tokens: int | None = None,
+         fresh_order: str = "round") -> tuple[dict, dict]:
     card = client.pick_model(model)
     notes: list[str] = []
     if resume is not None:
@@ -197,6 +206,7 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
                 id_prompts = IdPrompts(client.vocab_size(card)[0])
             evictions.append(_evict(client, id_prompts, evict_tokens or 0, card.get("max_model_len"),
                                     convs[0].turns + 1, progress))
+        round_records: list[tuple[dict, list[dict]]] = []
         for conv in convs:
             turn = conv.turns + 1
             conv.messages.append({"role": "user", "content": user_text(turn, first_chars if turn == 1 else text_chars)})
@@ -221,24 +231,30 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
                 "where": where_from(turn, run.cached_tokens, restored),
                 "fresh_ttft_ms": None, "fresh_prompt_tokens": None, "fresh_cached_tokens": None,
             }
-            if fresh:  # the same prompt, nothing reusable: a full prefill of the same length
-                f = client.stream(conv.messages, max_tokens=1)
-                record.update(fresh_ttft_ms=round(f.ttft_s * 1e3, 3), fresh_prompt_tokens=f.prompt_tokens,
-                              fresh_cached_tokens=f.cached_tokens)
+            prompt = list(conv.messages)  # (the fresh prefill's: without the reply appended next)
+            if fresh and fresh_order == "turn":
+                _fresh(client, prompt, record)
             conv.messages.append({"role": "assistant", "content": run.text})
             conv.turns = turn
             records.append(record)
+            round_records.append((record, prompt))
             progress(f"  {conv.id} turn {turn}: {run.prompt_tokens} prompt tokens, {run.cached_tokens} cached "
                      f"({record['where']}), TTFT {record['ttft_ms']:.1f} ms"
                      + (f" (server {record['server_ttft_ms']:.1f}, queued {record['queue_ms']:.1f})"
                         if record["server_ttft_ms"] is not None else "")
-                     + (f", fresh prefill {record['fresh_ttft_ms']:.1f} ms" if fresh else ""))
+                     + (f", fresh prefill {record['fresh_ttft_ms']:.1f} ms" if fresh and fresh_order == "turn"
+                        else ""))
             if run.completion_tokens != reply_tokens:
                 notes.append(f"{conv.id} turn {turn}: the reply stopped after {run.completion_tokens} of "
                              f"{reply_tokens} tokens (does the server honour ignore_eos?)")
+        if fresh and fresh_order == "round":
+            for record, prompt in round_records:
+                _fresh(client, prompt, record)
+                progress(f"  {record['user']} turn {record['turn']}: fresh prefill {record['fresh_ttft_ms']:.1f} ms")
     settings = {"users": len(convs), "turns": turns, "turn_tokens": turn_tokens, "reply_tokens": reply_tokens,
                 "first_turn_tokens": first_turn_tokens,
-                "fresh": fresh, "phase": phase, "evict_tokens": evict_tokens, "session_ids": session_ids,
+                "fresh": fresh, "fresh_order": fresh_order if fresh else None, "phase": phase,
+                "evict_tokens": evict_tokens, "session_ids": session_ids,
                 "chars_per_token": round(chars_per_token, 4), "turn_text_chars": text_chars,
                 "page_tokens_assumed": PAGE_TOKENS}
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -254,6 +270,13 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
                           "chars_per_token": chars_per_token},
              "conversations": [asdict(c) for c in convs]}
     return result, state
+
+
+def _fresh(client: Client, prompt: list[dict], record: dict) -> None:
+    """The turn's prompt again with nothing reusable (the client's default: a fresh cache_salt): a full prefill."""
+    f = client.stream(prompt, max_tokens=1)
+    record.update(fresh_ttft_ms=round(f.ttft_s * 1e3, 3), fresh_prompt_tokens=f.prompt_tokens,
+                  fresh_cached_tokens=f.cached_tokens)
 
 
 def _evict(client: Client, prompts: IdPrompts, tokens: int, max_len: int | None, before_turn: int,
@@ -356,6 +379,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fresh", action="store_true",
                         help="after each turn, send its prompt again with a fresh cache_salt: a full prefill "
                              "of the same length, for comparison")
+    parser.add_argument("--fresh-order", choices=FRESH_ORDERS, default="round",
+                        help="round: the fresh prefills after the round's turns, so no measured turn follows one "
+                             "(the power limit's clocks after a long prefill); turn: each right after its turn "
+                             "(default: %(default)s)")
     parser.add_argument("--phase", choices=PHASES, default="gpu",
                         help="gpu: nothing between turns; evict: --evict-tokens of unrelated prompts before each "
                              "round but the first, pushing the histories out of GPU memory (default: %(default)s)")
@@ -369,8 +396,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _FLAGS = ("--base-url", "--model", "--users", "--turns", "--turn-tokens", "--first-turn-tokens", "--reply-tokens",
-          "--fresh", "--phase", "--evict-tokens", "--session-ids", "--metrics-url", "--save", "--resume", "--timeout",
-          "--out")
+          "--fresh", "--fresh-order", "--phase", "--evict-tokens", "--session-ids", "--metrics-url", "--save",
+          "--resume", "--timeout", "--out")
 
 
 def bench_sessions_command(args: argparse.Namespace) -> int:
@@ -388,7 +415,8 @@ def bench_sessions_command(args: argparse.Namespace) -> int:
             args.base_url, api_key_from(args), args.model, args.users, args.turns, args.turn_tokens,
             args.reply_tokens, args.fresh, args.phase, args.evict_tokens, args.session_ids, resume,
             str(args.resume) if args.resume else None, args.metrics_url, args.timeout,
-            command_line(["qml", "bench", "sessions"], args, _FLAGS), progress, args.first_turn_tokens)
+            command_line(["qml", "bench", "sessions"], args, _FLAGS), progress, args.first_turn_tokens,
+            args.fresh_order)
     except BenchError as exc:
         print(f"qml bench sessions: {exc}", file=sys.stderr)
         return 1

@@ -37,6 +37,7 @@ def _first_logprobs(turn_path: bool, monkeypatch, calls: list) -> tuple[dict[int
                  scheduler=SchedulerConfig(max_batched_tokens=CONTEXT, max_num_seqs=2), context_length=CONTEXT,
                  fingerprint=b"turn-engine-test", cuda_graphs=True, warmup=False)
     try:
+        eng.start()  # (the graphs are captured here)
         rng = random.Random(0)
         history = [rng.randrange(VOCAB) for _ in range(5000)]
         first = eng.generate_sync(history, SamplingParams(max_tokens=1, temperature=0))

@@ -94,6 +94,31 @@ def test_sessions_survive_a_restart_through_the_disk_tier(tmp_path, capsys):
     assert result["by_turn"][0]["where"] == {"disk": 2} and "disk ×2" in captured.out
 
 
+@pytest.mark.parametrize("order", ["round", "turn"])
+def test_sessions_fresh_prefills_go_after_the_round(server, monkeypatch, order):
+    # by default no measured turn follows the bench's own full prefill (the power limit's clocks after one)
+    sent = []
+    stream = bench_sessions.Client.stream
+
+    def logged(self, messages, *args, cache_salt=None, **kwargs):
+        sent.append(("turn" if cache_salt else "fresh", len(messages)))
+        return stream(self, messages, *args, cache_salt=cache_salt, **kwargs)
+
+    monkeypatch.setattr(bench_sessions.Client, "stream", logged)
+    result, _ = bench_sessions.run_sessions(server, users=2, turns=2, turn_tokens=20, reply_tokens=4, fresh=True,
+                                            fresh_order=order)
+    # turn k of a conversation sends 2k - 1 messages; its fresh prefill sends the same ones
+    if order == "round":
+        assert sent == [("turn", 1), ("turn", 1), ("fresh", 1), ("fresh", 1),
+                        ("turn", 3), ("turn", 3), ("fresh", 3), ("fresh", 3)]
+    else:
+        assert sent == [("turn", 1), ("fresh", 1)] * 2 + [("turn", 3), ("fresh", 3)] * 2
+    assert result["settings"]["fresh_order"] == order
+    assert all(r["fresh_ttft_ms"] > 0 and r["fresh_cached_tokens"] == 0 for r in result["turns"])
+    with pytest.raises(BenchError, match="unknown fresh order"):
+        bench_sessions.run_sessions(server, users=1, fresh=True, fresh_order="later")
+
+
 def test_sessions_evict_phase_pushes_history_to_disk(tmp_path, capsys):
     # a KV pool of ~1400 tokens: 3000 tokens of other prompts push every history out
     proc, url = start_tiny_server("--kv-cache-gib", "0.001", "--kv-disk-dir", str(tmp_path / "kv"))
