@@ -81,15 +81,19 @@ PREFILL_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 6
                    1280, 1536, 1792, 2048, 2304, 2560, 3072, 3584, 4096)
 
 
+def sampling_row(seq) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
+    """The sampler's parameters of one row (Sequence-like: params, seed, num_output_tokens):
+    (temperature, top_p, min_p), (top_k, seed, step)."""
+    p = seq.params
+    return (p.temperature, p.top_p, p.min_p), (p.top_k, seq.seed, seq.num_output_tokens)
+
+
 def sampling_rows(seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampler's per-row parameters of ``seqs`` (Sequence-like: params, seed, num_output_tokens)
-    as two CPU tensors, one copy each to the device: floats [3, B] (temperature, top_p, min_p) and
-    ints [3, B] (top_k, seed, step). Explicit dtypes: a request may give temperature=1 as an int."""
-    params = [s.params for s in seqs]
-    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                           [p.min_p for p in params]], dtype=torch.float32)
-    ints = torch.tensor([[p.top_k for p in params], [s.seed for s in seqs],
-                         [s.num_output_tokens for s in seqs]], dtype=torch.int64)
+    """``sampling_row`` of each of ``seqs`` as two CPU tensors, one copy each to the device: floats [3, B]
+    and ints [3, B]. Explicit dtypes: a request may give temperature=1 as an int."""
+    rows = [sampling_row(s) for s in seqs]
+    floats = torch.tensor([f for f, _ in rows], dtype=torch.float32).reshape(-1, 3).t().contiguous()
+    ints = torch.tensor([i for _, i in rows], dtype=torch.int64).reshape(-1, 3).t().contiguous()
     return floats, ints
 
 
@@ -99,9 +103,11 @@ class _Sampling:
     def __init__(self, rows: int, device: torch.device, floats: torch.Tensor | None = None,
                  ints: torch.Tensor | None = None):
         # (``floats`` [3, rows] and ``ints`` [3, rows]: views of a step's input buffer, where one is kept)
+        # temperature, top_p, min_p:
         self.floats = torch.zeros(3, rows, dtype=torch.float32, device=device) if floats is None else floats
+        # top_k, seed, step:
         self.ints = torch.zeros(3, rows, dtype=torch.int64, device=device) if ints is None else ints
-        self.floats[1] = 1.0  # temperature, top_p, min_p; top_k, seed, step
+        self.floats[1] = 1.0
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         n = logits.shape[0]
@@ -295,8 +301,7 @@ class PrefillGraphs(_GraphFamily):
                                                                      ("inputs", "last_row", "block_tables", "lens"))
         self.sampling = _Sampling(1, device, dev["floats"], dev["ints"])
         self._host_bytes = torch.zeros(self._layout.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-        self._host = {k: t.numpy() for k, t in self._layout.tensors(self._host_bytes).items()}
-        self._host["floats"][1] = 1.0
+        self._host = {k: t.numpy() for k, t in self._layout.tensors(self._host_bytes).items()}  # (all set per step)
         self._table_at = self._layout.offsets["block_tables"]
         self._eager_host: tuple[list[int], list[int]] = ([], [])
 
@@ -372,9 +377,7 @@ class PrefillGraphs(_GraphFamily):
         h["last_row"][0] = n - 1
         width = len(seq.block_table)
         h["block_tables"][0, :width] = np.frombuffer(array("i", seq.block_table), dtype=np.int32)
-        p = seq.params
-        h["floats"][:, 0] = (p.temperature, p.top_p, p.min_p)
-        h["ints"][:, 0] = (p.top_k, seq.seed, seq.num_output_tokens)
+        h["floats"][:, 0], h["ints"][:, 0] = sampling_row(seq)
         end = self._table_at + 4 * width
         self._dev_bytes[:end].copy_(self._host_bytes[:end], non_blocking=True)
         if not self.capture_enabled:

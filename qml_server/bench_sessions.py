@@ -232,7 +232,8 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
                 "fresh_ttft_ms": None, "fresh_prompt_tokens": None, "fresh_cached_tokens": None,
             }
             prompt = list(conv.messages)  # (the fresh prefill's: without the reply appended next)
-            if fresh and fresh_order == "turn":
+            fresh_now = fresh and fresh_order == "turn"
+            if fresh_now:
                 _fresh(client, prompt, record)
             conv.messages.append({"role": "assistant", "content": run.text})
             conv.turns = turn
@@ -242,8 +243,7 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
                      f"({record['where']}), TTFT {record['ttft_ms']:.1f} ms"
                      + (f" (server {record['server_ttft_ms']:.1f}, queued {record['queue_ms']:.1f})"
                         if record["server_ttft_ms"] is not None else "")
-                     + (f", fresh prefill {record['fresh_ttft_ms']:.1f} ms" if fresh and fresh_order == "turn"
-                        else ""))
+                     + (f", fresh prefill {record['fresh_ttft_ms']:.1f} ms" if fresh_now else ""))
             if run.completion_tokens != reply_tokens:
                 notes.append(f"{conv.id} turn {turn}: the reply stopped after {run.completion_tokens} of "
                              f"{reply_tokens} tokens (does the server honour ignore_eos?)")
