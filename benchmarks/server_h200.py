@@ -104,7 +104,7 @@ def run_serve(out: Path, prompt_tokens: str, concurrency: int, repeats: int = 3,
 
 
 def run_sessions(out: Path, users: int, turns: int, turn_tokens: int, tier_flags: str, evict_tokens: int,
-                 first_turn_tokens: int, gpu_orders: tuple[str, ...] = ("round",)) -> int:
+                 first_turn_tokens: int, gpu_orders: tuple[str, ...] = ("round",), build_only: bool = False) -> int:
     store = Path("/tmp/qml-kv-store")
     shutil.rmtree(store, ignore_errors=True)
     flags = (*tier_flags.split(), "--kv-disk-dir", str(store))
@@ -116,6 +116,8 @@ def run_sessions(out: Path, users: int, turns: int, turn_tokens: int, tier_flags
                     "--reply-tokens", "64", "--session-ids",
                     "--save", str(out / "conv-build.json"), "--out", str(out / "sessions-build.json"))
         conv = out / "conv-build.json"
+        if build_only:  # (its turns 2 on are GPU-history turns: enough for an A/B of the served path)
+            return rc
         for i, order in enumerate(gpu_orders):  # a turn each, the fresh prefills after the round or each turn
             name = "gpu" if i == 0 else f"gpu-{order}"
             rc |= bench(out, f"sessions-{name}", "sessions", "--resume", str(conv), "--turn-tokens", "133",
@@ -165,6 +167,8 @@ def main() -> int:
                         help="sessions: the GPU-history turn once per order of its fresh prefills, comma-separated "
                              "(qml bench sessions --fresh-order: round, turn), each a turn further")
     parser.add_argument("--serve-flags", default="", help="more `qml serve` flags, space-separated")
+    parser.add_argument("--build-only", action="store_true",
+                        help="sessions: only the conversations' build (38 GPU-history turns at the defaults)")
     args = parser.parse_args()
     globals()["PRESET"] = args.preset
     SERVE_FLAGS.extend(args.serve_flags.split())
@@ -173,7 +177,7 @@ def main() -> int:
     rc = run_serve(args.out, args.prompt_tokens, args.concurrency, args.repeats,
                    args.length_step) if args.mode == "serve" else run_sessions(
         args.out, args.users, args.turns, args.turn_tokens, args.tier_flags, args.evict_tokens,
-        args.first_turn_tokens, tuple(args.gpu_orders.split(",")))
+        args.first_turn_tokens, tuple(args.gpu_orders.split(",")), args.build_only)
     print(json.dumps({"mode": args.mode, "rc": rc, "seconds": round(time.time() - t0, 1)}), flush=True)
     return rc
 

@@ -54,6 +54,7 @@ import torch
 from qml_kernels import attention_turn
 from qml_kernels.attention import AttentionMetadata, block_tables_tensor
 from qml_kernels.sampling import sample
+from qml_runtime import turn_trace
 
 log = logging.getLogger("qml.cuda_graphs")
 
@@ -351,9 +352,11 @@ class PrefillGraphs(_GraphFamily):
         """Compute the next ``n`` tokens of ``seq`` -> the token sampled after them, [1] on the device
         (meaningful when they end the sequence's uncomputed tokens)."""
         key = self.stage(seq, n)
+        turn_trace.stamp_step("staged")
         if not self.capture_enabled:
             return self._eager(key)
         tokens = self._replay(key)
+        turn_trace.stamp_step("replayed")
         return self.run(seq, n) if tokens is None else tokens
 
     def stage(self, seq, n: int) -> tuple[int, bool]:

@@ -33,6 +33,7 @@ from typing import AsyncIterator, Callable
 import numpy as np
 import torch
 
+from qml_runtime import turn_trace
 from qml_runtime.config import CacheConfig, ModelConfig, SchedulerConfig
 from qml_runtime.constrained import GrammarError, Grammars
 from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
@@ -64,6 +65,7 @@ class _Add:
     seq: Sequence
     emit: Emit
     follow: str | None = None  # a request whose prompt this one shares: admitted once that one's is cached
+    announce: bool = False  # an empty output once its first step runs (``Engine.submit``)
 
 
 @dataclass
@@ -142,6 +144,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         # background work meanwhile
         self._expected_until = 0.0
         self._emitters: dict[str, Emit] = {}
+        self._announce: set[str] = set()  # requests to announce once their first step runs (submit's announce)
         self._seqs: dict[str, Sequence] = {}
         self._followers: dict[str, list[Sequence]] = {}  # leader's request id -> requests parked behind it
         # finished requests' pages still to hand to the tiers: [pages, block names, next index, steps run
@@ -216,6 +219,11 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         return {**self._info, "context_length": self.context_length, "vocab_size": self.model_config.vocab_size,
                 "kv_cache_tokens": self.blocks.num_blocks * self.blocks.block_size}
 
+    @property
+    def idle(self) -> bool:
+        """No request in flight or on its way in (read from any thread: one step old at most)."""
+        return not self._seqs and self._inbox.empty()
+
     def stats(self) -> dict:
         """A snapshot for /metrics and the server's queue bound (qml_server.metrics has the keys).
 
@@ -250,16 +258,23 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         scheduled, with the time since it was submitted. None removes it."""
         self._observe_queue_time = observe
 
-    def _note_first_scheduled(self, seqs: list[Sequence]) -> None:
+    def _note_first_scheduled(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Mark the sequences scheduled for the first time; -> those of them to announce once their step runs."""
         now = time.monotonic()
+        announce = []
         for seq in seqs:
             if seq.first_scheduled_time is None:  # a preempted sequence coming back is not counted again
                 seq.first_scheduled_time = now
+                turn_trace.stamp(seq.request_id, "scheduled")
+                if seq.request_id in self._announce:
+                    self._announce.discard(seq.request_id)
+                    announce.append(seq)
                 if self._observe_queue_time is not None:
                     try:
                         self._observe_queue_time(now - seq.arrival_time)
                     except Exception:  # metrics never stop the loop
                         log.exception("the queue time observer failed")
+        return announce
 
     # --- requests ---------------------------------------------------------------------
 
@@ -293,7 +308,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
 
     def submit(self, prompt_ids: list[int] | array, params: SamplingParams, emit: Emit,
                request_id: str | None = None, tenant: str | None = None, session: str | None = None,
-               follow: str | None = None) -> str:
+               follow: str | None = None, announce: bool = False) -> str:
         """Queue a request; ``emit`` is called from the engine thread with each output.
 
         ``tenant`` (the authenticated API key's id) salts the request's KV page names:
@@ -301,6 +316,10 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         the retention priority of the request's pages. ``follow`` names a request submitted
         before with the same prompt (another choice of it): this one is admitted once that
         one has sampled its first token, so it finds the prompt's pages in the prefix cache.
+        ``announce``: emit an empty output (no text, no tokens) once the request's first step
+        is on the device, before its first token: a server starts its response then (headers,
+        a chat stream's role), while the prefill runs, instead of after the token. A request
+        refused before it runs gets its error first, as without.
         """
         request_id = request_id or uuid.uuid4().hex
         self.expect_request()
@@ -308,7 +327,8 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
             # (a uint32 array, as the server's chat prompts come, is checked by its bytes: _packed_ids)
             seq = self._new_sequence(prompt_ids if isinstance(prompt_ids, array) else list(prompt_ids), params,
                                      request_id, tenant, session)
-            self._inbox.put(_Add(seq, emit, follow))
+            turn_trace.stamp(request_id, "submit")
+            self._inbox.put(_Add(seq, emit, follow, announce))
         finally:
             self._expected_until = 0.0  # in the inbox (or refused): nothing more to wait for
         self._wakeup.set()
@@ -333,14 +353,17 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         if not done.wait(timeout):
             raise TimeoutError(f"the KV tiers did not settle in {timeout} s")
 
+    announces = True  # generate() takes ``announce`` (servers check for it: other engines may not)
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        tenant: str | None = None, session: str | None = None,
-                       follow: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Closing the iterator early aborts the request."""
+                       follow: str | None = None, announce: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (``announce``: see ``submit``). Closing the iterator early aborts the
+        request."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         request_id = self.submit(prompt_ids, params, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o),
-                                 request_id, tenant, session, follow)
+                                 request_id, tenant, session, follow, announce)
         finished = False
         try:
             while True:
@@ -470,7 +493,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
             return None
         if self.tiers is not None:
             self.tiers.flush_spills()  # pages evicted while scheduling are copied out before reuse
-        self._note_first_scheduled(batch.seqs)
+        announce = self._note_first_scheduled(batch.seqs)
         self.loop_seconds["schedule"] += time.perf_counter() - t_start
         if self.overlap and self.runner.launchable(batch):
             try:
@@ -481,6 +504,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
                     self._fail(seq, exc)
                 return None
             self.loop_seconds["step"] += inflight.launch_seconds
+            self._announce_started(announce)
             return inflight
         # the prefill chunks (cached context, new tokens): what the restore planner weighs reading
         # KV against; a step with decode rows is not one (their time is not a prefill's)
@@ -508,6 +532,9 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
 
         def beside_step() -> None:
             release()
+            # the step is queued: the server's response can start now, beside it (a step that never calls
+            # this announces nothing: its tokens come next)
+            self._announce_started(announce)
             if pump_pages or persist_beside:
                 try:
                     if pump_pages:
@@ -516,6 +543,9 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
                         self._persist_beside(seconds)
                 except Exception:  # the tiers' trouble is not the step's: its tokens stand
                     log.exception("handing finished requests' pages to the KV tiers failed")
+        if turn_trace.ENABLED:
+            turn_trace.running([s.request_id for s in batch.seqs])
+            turn_trace.stamp_step("step")
         t0 = time.perf_counter()
         try:
             tokens, logprobs = self.runner.step(batch, while_running=beside_step)
@@ -525,6 +555,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
                 self._fail(seq, exc)
             return None
         t1 = time.perf_counter()
+        turn_trace.stamp_step("token")
         self.loop_seconds["step"] += t1 - t0
         self.loop_steps += 1
         if pure_prefill:  # (no chunks without tiers)
@@ -534,6 +565,13 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
             self._persist_after(t1 - t0)
         self.loop_seconds["post"] += time.perf_counter() - t1
         return None
+
+    def _announce_started(self, seqs: list[Sequence]) -> None:
+        """The empty output of ``submit``'s ``announce``, for each of ``seqs`` still running."""
+        for seq in seqs:
+            if seq.status is not Status.FINISHED:
+                self._emit(seq, RequestOutput(seq.request_id, "", []))
+        seqs.clear()
 
     def _launch_following(self, inflight: Launched) -> Launched | None:
         """Launch the decode step after ``inflight`` before its tokens are known, when it is certain to
@@ -624,8 +662,11 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
                 return drained
             drained = True
             if isinstance(msg, _Add):
+                turn_trace.stamp(msg.seq.request_id, "drained")
                 self._seqs[msg.seq.request_id] = msg.seq
                 self._emitters[msg.seq.request_id] = msg.emit
+                if msg.announce:
+                    self._announce.add(msg.seq.request_id)
                 leader = self._seqs.get(msg.follow) if msg.follow else None
                 if leader is not None and leader.num_output_tokens == 0:
                     self._followers.setdefault(leader.request_id, []).append(msg.seq)
@@ -681,6 +722,8 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         self._emit(seq, RequestOutput(seq.request_id, text, tokens or [], reason, logprobs=logprobs))
         self._seqs.pop(seq.request_id, None)
         self._emitters.pop(seq.request_id, None)
+        self._announce.discard(seq.request_id)
+        turn_trace.finished(seq.request_id)
         if table:
             # after the client has its last token, and after any request that comes in meanwhile
             # (_persist): the conversation so far goes to host RAM and to disk in the background, so
@@ -694,8 +737,10 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         self._send(seq.request_id, exc)
         self._seqs.pop(seq.request_id, None)
         self._emitters.pop(seq.request_id, None)
+        self._announce.discard(seq.request_id)
 
     def _emit(self, seq: Sequence, out: RequestOutput) -> None:
+        turn_trace.stamp(seq.request_id, "emit" if out.token_ids else "announced")
         out.prompt_tokens = seq.num_prompt_tokens
         out.completion_tokens = seq.num_output_tokens
         out.cached_tokens = seq.num_cached

@@ -171,6 +171,7 @@ def request_tenant(request: Request, cache_salt: str | None = None) -> str | Non
 def start_generation(
     request: Request, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, started: float,
     cache_salt: str | None = None, user: str | None = None, n: int = 1, prompt_text: str | None = None,
+    streamed: bool = False,
 ) -> list[EngineStream]:
     """Admit the request (503 when the engine's queue is full) and open its engine streams, one per
     choice: choice i samples with ``params.for_choice(i)`` (its own seed stream) and follows choice 0,
@@ -180,6 +181,10 @@ def start_generation(
     which the request reached the handler (the request's latencies from choice 0). Nothing
     reaches the engine until a stream is first advanced. With ``prompt_text`` (a rendered chat
     prompt) each finished choice's reply is kept in the app's ``ReplyMemory``, if it has one.
+
+    ``streamed``: a streamed response, which starts (its headers, a chat stream's role) once the engine has
+    the request's first step on the device, beside the prefill, where the engine can say so (the empty
+    output of ``Engine.submit``'s ``announce``); otherwise with the first token.
     """
     state = request.app.state
     state.admission.check()
@@ -188,12 +193,13 @@ def start_generation(
     # a conversation that names itself (x-session-id, or OpenAI's `user`) keeps its KV longest
     session = request.headers.get("x-session-id") or user
     replies = getattr(state, "replies", None) if prompt_text is not None else None
+    announce = {"announce": True} if streamed and getattr(state.engine, "announces", False) else {}
     streams = []
     for i in range(n):
         choice_id = request_id if n == 1 else f"{request_id}-{i}"
         follow = None if i == 0 else f"{request_id}-0"
         stream = state.engine.generate(prompt_ids, params.for_choice(i), choice_id, tenant=tenant, session=session,
-                                       follow=follow)
+                                       follow=follow, **announce)
         if replies is not None:
             stream = _keeping_reply(stream, replies, state.engine.tokenizer, tenant or "", prompt_text, prompt_ids)
         streams.append(state.metrics.track(stream, started, primary=i == 0))

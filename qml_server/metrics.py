@@ -50,6 +50,7 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
+from qml_runtime import turn_trace
 from qml_runtime.sampling_params import RequestOutput
 
 log = logging.getLogger("qml.server")
@@ -148,6 +149,7 @@ async def _tracked(metrics: ServerMetrics, stream: AsyncGenerator[RequestOutput,
                 metrics.generation_tokens.inc(len(out.token_ids))
             elif out.token_ids:
                 if last_token_at is None:
+                    turn_trace.stamp(out.request_id, "first_out")
                     metrics.time_to_first_token.observe(now - started)
                     # counted once the prompt has really been through the model
                     metrics.prompt_tokens.inc(out.prompt_tokens)

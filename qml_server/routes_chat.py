@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from typing import Any
@@ -10,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from qml_runtime import turn_trace
 from qml_server.errors import api_endpoint, bad_request
 from qml_server.fields import read_json_object
 from qml_server.generation import (
@@ -30,29 +32,38 @@ from qml_server.sse import EventStreamResponse
 from qml_server.tools import ToolCallStream, parse_tool_calls
 
 
+INLINE_RENDER = os.environ.get("QML_INLINE_RENDER", "1") != "0"  # (0: always in the thread pool)
+
+
 @api_endpoint
 async def chat_completions(request: Request) -> Response:
     started = time.monotonic()
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    turn_trace.stamp(request_id, "handler")
     announce_request(request)
     engine = request.app.state.engine
     req = parse_chat_request(await read_json_object(request))
     check_model(req.model, engine.model_id)
     check_token_ids([t for t, _ in req.sampling.logit_bias], getattr(engine.tokenizer, "vocab_size", None),
                     "logit_bias")
-    # Templates and tokenizers are CPU work that can take a while on long histories;
-    # keep it off the event loop so other streams keep flowing.
+    # Templates and tokenizers are CPU work that can take a while on long histories: off the event loop,
+    # so that other streams keep flowing, unless there are none (an idle engine): there and back through
+    # the thread pool took 0.5 ms of a served turn on an H100's host (benchmarks/results/served-path-2026-12-05.md)
     replies = getattr(request.app.state, "replies", None)
-    prompt = await run_in_threadpool(_render_prompt, engine.tokenizer, req, replies,
-                                     request_tenant(request, req.cache_salt) or "")
+    tenant = request_tenant(request, req.cache_salt) or ""
+    if getattr(engine, "idle", False) and INLINE_RENDER:
+        prompt = _render_prompt(engine.tokenizer, req, replies, tenant)
+    else:
+        prompt = await run_in_threadpool(_render_prompt, engine.tokenizer, req, replies, tenant)
     prompt_ids = prompt.ids
+    turn_trace.stamp(request_id, "prompt")
     max_tokens = resolve_max_tokens(req.sampling.max_tokens, len(prompt_ids), engine.context_length, "messages")
     params = req.sampling.to_params(max_tokens)
 
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     log_request(request_id, len(prompt_ids), params, req.stream)
     streams = start_generation(request, prompt_ids, params, request_id, started, req.cache_salt, req.user,
-                               req.sampling.n, prompt.text)
+                               req.sampling.n, prompt.text, streamed=req.stream)
     texts = TokenText(engine.tokenizer)
 
     if req.stream:
@@ -91,9 +102,10 @@ async def chat_completions(request: Request) -> Response:
             delta_choice=delta_choice,
             finish_choice=finish_choice,
         )
-        return EventStreamResponse(events)
+        return EventStreamResponse(events, trace_id=request_id)
 
     done = await collect(request, streams)
+    turn_trace.done(request_id)
     choices = []
     for i, d in enumerate(done):
         message, reason = _message(req, d.text, d.finish_reason)

@@ -48,7 +48,7 @@ async def completions(request: Request) -> Response:
     head = {"id": request_id, "object": "text_completion", "created": created, "model": engine.model_id}
     log_request(request_id, len(prompt_ids), params, req.stream)
     streams = start_generation(request, prompt_ids, params, request_id, started, req.cache_salt, req.user,
-                               req.sampling.n)
+                               req.sampling.n, streamed=req.stream)
     texts = TokenText(engine.tokenizer)
     formats = [CompletionLogprobs(texts) for _ in streams]  # per choice: the text offsets run on
 

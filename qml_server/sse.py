@@ -20,6 +20,7 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from qml_runtime import turn_trace
 from qml_server.errors import ClientDisconnected
 
 log = logging.getLogger("qml.server")
@@ -85,8 +86,10 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], headers: Mapping[str, str] | None = None):
+    def __init__(self, events: AsyncIterator[bytes], headers: Mapping[str, str] | None = None,
+                 trace_id: str | None = None):
         self.events = events
+        self.trace_id = trace_id  # (qml_runtime.turn_trace: stamped once its first token's event is sent)
         self.status_code = 200
         self.background = None
         # no-cache: proxies must not hold the stream; X-Accel-Buffering: nginx must not buffer it.
@@ -102,8 +105,14 @@ class EventStreamResponse(Response):
     async def _pump(self, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            sent = 0
             async for event in self.events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
+                sent += 1
+                # (a chat stream's events: the role's, then the first token's)
+                if sent == 2 and self.trace_id is not None and turn_trace.ENABLED:
+                    turn_trace.stamp(self.trace_id, "sent")
+                    turn_trace.done(self.trace_id)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             # If we were cancelled while awaiting send(), the iterator is suspended at a

@@ -1,0 +1,53 @@
+"""The served TTFT trace (qml_runtime.turn_trace): a streamed chat request's stamps, in order, in one line."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.testclient import TestClient
+
+from qml_runtime import turn_trace
+from qml_runtime.presets import load_preset_engine
+from qml_server.app import create_app
+
+
+def test_a_streamed_chat_request_writes_its_points_in_order(tmp_path, monkeypatch):
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(turn_trace, "PATH", str(path))
+    monkeypatch.setattr(turn_trace, "ENABLED", True)
+    engine = load_preset_engine("preset:tiny-llama", True, device="cpu", kv_cache_gib=0.02)
+    body = {"model": engine.model_id, "messages": [{"role": "user", "content": "hello there"}],
+            "max_tokens": 3, "stream": True}
+    with TestClient(create_app(engine)) as client:
+        for _ in range(2):
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                chunks = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert chunks[-1] == "data: [DONE]"
+        # a request without a stream writes its line once collected
+        r = client.post("/v1/chat/completions", json={**body, "stream": False})
+        assert r.status_code == 200
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3
+    records = [json.loads(line) for line in lines]
+    assert records[0]["id"].startswith("chatcmpl-") and records[0]["id"] != records[1]["id"]
+    # the points a CPU engine passes (no prefill graph: no staged/replayed), each once, in the order they happen
+    # (a streamed request's response starts once its first step runs: "announced", before its token)
+    order = ["handler", "prompt", "submit", "drained", "scheduled", "step", "announced", "token", "emit", "first_out",
+             "sent"]
+    for rec in records[:2]:
+        assert [p for p in order if p in rec] == order
+        assert [rec[p] for p in order] == sorted(rec[p] for p in order)
+    assert "sent" not in records[2] and "announced" not in records[2] and records[2]["emit"] <= records[2]["first_out"]
+    spans = [turn_trace.gaps(rec) for rec in records]
+    assert [("total" in s, "step->announced" in s, "step->token" in s) for s in spans] == \
+        [(True, True, False), (True, True, False), (False, False, True)]
+    assert abs(sum(v for k, v in spans[0].items() if k != "total") - spans[0]["total"]) < 1e-6
+    assert not turn_trace._records  # nothing left behind
+
+
+def test_disabled_it_records_nothing(monkeypatch):
+    monkeypatch.setattr(turn_trace, "ENABLED", False)
+    turn_trace.stamp("x", "handler")
+    turn_trace.done("x")
+    assert "x" not in turn_trace._records
