@@ -37,6 +37,7 @@ the empty entries were the cause is measured by ``benchmarks/turn_attention_engi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import os
@@ -390,12 +391,25 @@ class _Plan:
                                 RUNS=runs, GROUP=group, PAGE_SIZE=page, BLOCK=256)
 
 
+@dataclasses.dataclass(frozen=True)
+class TailLaunch:
+    """``_turn_tail_merge_kernel``'s launch: rows of a program's tile (rows // G tokens of G query heads; a
+    multiple of G, at least 16), keys a step, warps, pipeline stages. The default is what the engine runs;
+    ``benchmarks/turn_tail_sweep_h200.py`` times others (the kernel took ~10.7 us a layer of the H200's
+    150-token turn, latency-bound: ~88 programs, each up to 3 key steps then 3 runs merged one after the other)."""
+
+    rows: int = ROWS
+    block_n: int = 64
+    warps: int = 4
+    stages: int = 2
+
+
 def turn_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None, sinks=None,
-                   softcap=None, out=None, history=None) -> torch.Tensor:
+                   softcap=None, out=None, history=None, tail: TailLaunch = TailLaunch()) -> torch.Tensor:
     """q: [T, H, Dh]; caches [P, S, Hkv, Dh] -> out [T, H, Dh] (see ``supported`` for the steps it serves).
 
     ``history``: what runs the history's part on the packed rows (``plan.graph``'s buffers); cuDNN unless
-    given (tests on machines without it pass a reference)."""
+    given (tests on machines without it pass a reference). ``tail``: the tail kernel's launch."""
     assert sliding_window is None and sinks is None and softcap is None
     T, H, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -419,13 +433,15 @@ def turn_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_
         g.run(k_cache, v_cache)
     else:
         history(g, k_cache, v_cache, scale)
-    _turn_tail_merge_kernel[grid](
+    tail_tokens = tail.rows // G
+    _turn_tail_merge_kernel[(T // tail_tokens + meta.num_seqs, Hkv)](
         q, k_cache, v_cache, out, g.o, g.stats, g.seq_kv, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
         plan.tail, meta.num_seqs, hs, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         g.o.stride(0), g.o.stride(1), g.o.stride(2), g.stats.stride(0), g.stats.stride(1),
-        RUNS=plan.runs, GROUP=G, TILE_TOKENS=tt, HEAD_DIM=D, PAGE_SIZE=S, BLOCK_M=ROWS, BLOCK_N=64,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        RUNS=plan.runs, GROUP=G, TILE_TOKENS=tail_tokens, HEAD_DIM=D, PAGE_SIZE=S, BLOCK_M=tail.rows,
+        BLOCK_N=tail.block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tail.warps,
+        num_stages=tail.stages)
     return out
 
 
@@ -454,4 +470,5 @@ class HistoryReference:
             g.o[e, :, :rows] = torch.einsum("hrk,khd->hrd", torch.softmax(s, -1), v).to(g.o.dtype)
 
 
-__all__ = ["TURN_MAX_QUERIES", "TURN_MIN_HISTORY", "HistoryReference", "num_runs", "supported", "turn_attention"]
+__all__ = ["TURN_MAX_QUERIES", "TURN_MIN_HISTORY", "HistoryReference", "TailLaunch", "num_runs", "supported",
+           "turn_attention"]

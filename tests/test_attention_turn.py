@@ -18,6 +18,7 @@ from qml_kernels.attention import AttentionMetadata, paged_attention_ref
 from qml_kernels.attention_prefill import PAGED_PREFILL_ATTENTION_SPEC
 from qml_kernels.attention_turn import (
     HistoryReference,
+    TailLaunch,
     _turn_pack_q_kernel,
     _turn_plan_kernel,
     _turn_tail_merge_kernel,
@@ -73,6 +74,20 @@ def test_turn_matches_reference_fp32(case, sms):
     assert got is out
     err = _rel_err(got, _expected(x))
     assert err <= TOLERANCES[torch.float32], f"{case.name} sms={sms}: error {err:.2e} (seed {seed})"
+
+
+@pytest.mark.parametrize("tail", [TailLaunch(rows=16, block_n=32, warps=2), TailLaunch(rows=32, block_n=128),
+                                  TailLaunch(rows=128, block_n=16, warps=8, stages=3)],
+                         ids=lambda t: f"rows{t.rows}-n{t.block_n}-w{t.warps}-s{t.stages}")
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=lambda c: c.name)
+def test_other_tail_launches_match_reference_fp32(case, tail):
+    """The tail kernel's launches a sweep times (smaller and larger tiles, other key steps) give the same
+    attention."""
+    seed, gen = _seeded()
+    x = _inputs(case, torch.float32, gen)
+    got = turn_attention(**x, out=torch.full_like(x["q"], float("nan")), history=HistoryReference(8), tail=tail)
+    err = _rel_err(got, _expected(x))
+    assert err <= TOLERANCES[torch.float32], f"{case.name} {tail}: error {err:.2e} (seed {seed})"
 
 
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
@@ -217,6 +232,9 @@ VARIANTS = {
     "tail-merge-llama": {"kernel": _turn_tail_merge_kernel, "signature": _TAIL_SIGNATURE, "num_stages": 2,
                          "constexprs": {**LLAMA, "TILE_TOKENS": 16, "PAGE_SIZE": 16, "BLOCK_M": 64, "BLOCK_N": 64,
                                         "DOT_PRECISION": "tf32"}},
+    "tail-merge-llama-rows32": {"kernel": _turn_tail_merge_kernel, "signature": _TAIL_SIGNATURE, "num_stages": 2,
+                                "constexprs": {**LLAMA, "TILE_TOKENS": 8, "PAGE_SIZE": 16, "BLOCK_M": 32,
+                                               "BLOCK_N": 128, "DOT_PRECISION": "tf32"}},
     "pack-llama": {"kernel": _turn_pack_q_kernel, "signature": _PACK_SIGNATURE,
                    "constexprs": {**LLAMA, "TILE_TOKENS": 16, "BLOCK_M": 64}},
     "plan-llama": {"kernel": _turn_plan_kernel, "signature": _PLAN_SIGNATURE,

@@ -1,0 +1,141 @@
+"""The turn attention's tail kernel (``_turn_tail_merge_kernel``) by launch: rows a tile, keys a step, warps, stages.
+
+In the H200's profile of the 150-token GPU-history turn the tail kernel (each query over the keys past the history's
+whole pages, then the merge with cuDNN's runs) took 0.343 ms over 32 layers, 10.7 us a layer, for ~88 programs
+of 64 rows that each take up to 3 key steps and then fold in 3 runs one after the other: latency, not bandwidth
+(~14 MB read). This times the whole turn path (q packing, cuDNN's history part, the tail) for each
+``attention_turn.TailLaunch`` in a CUDA graph of 32 calls (after 1 s idle, median of 3), takes the tail kernel's
+own time from the profiler (median of 64 launches), and checks each launch's output against the default's (bf16,
+the same cuDNN part: differences come from the tail alone) and the default against fp32 once.
+
+    python benchmarks/turn_tail_sweep_h200.py --out DIR [--queries 150] [--context 27339]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cudnn_turn_h200 import _inputs  # noqa: E402  (beside this script)
+from engine_common import _kernel_calls  # noqa: E402
+
+from qml_kernels import attention_turn  # noqa: E402
+from qml_kernels.attention import paged_attention_ref  # noqa: E402
+from qml_kernels.attention_turn import TailLaunch, turn_attention  # noqa: E402
+
+CALLS = 32
+
+
+def _graph(fn) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _idle_us(graph) -> float:
+    times = []
+    for _ in range(3):
+        time.sleep(1.0)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / CALLS)
+    return sorted(times)[1]
+
+
+def _tail_kernel_us(graph) -> float:
+    """The tail kernel's median device time over two replays (64 launches), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            graph.replay()
+        torch.cuda.synchronize()
+    calls = _kernel_calls(prof, "_turn_tail_merge_kernel")
+    return float("nan") if calls is None else calls["median"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--queries", type=int, default=150)
+    p.add_argument("--context", type=int, default=27339)
+    p.add_argument("--seconds", type=float, default=240.0, help="stop sweeping after this long")
+    args = p.parse_args()
+    t_start = time.time()
+    dev = torch.device("cuda")
+    x = _inputs(args.queries, args.context, True, dev)
+    kw = {k: x[k] for k in ("q", "k_cache", "v_cache", "meta", "scale")}
+    with attention_turn.builds():
+        assert attention_turn.supported(**kw), "cuDNN's turn path does not take this shape here"
+    ref = paged_attention_ref(**{k: v.float() if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+    default = TailLaunch()
+    base = turn_attention(**kw, tail=default)
+    base_err = ((base.float() - ref).abs().max() / ref.abs().max()).item()
+    configs = [default] + [TailLaunch(rows=r, block_n=n, warps=w, stages=s) for r, n, w, s in
+                           itertools.product((16, 32, 64), (32, 64, 128), (2, 4), (2, 3))]
+    rows = []
+    seen = set()
+    for cfg in configs:
+        if cfg in seen:
+            continue
+        seen.add(cfg)
+        if time.time() - t_start > args.seconds:
+            print("time budget spent: stopping", flush=True)
+            break
+        row = {"rows": cfg.rows, "block_n": cfg.block_n, "warps": cfg.warps, "stages": cfg.stages}
+        try:
+            out = torch.empty_like(kw["q"])
+            fn = lambda cfg=cfg, out=out: turn_attention(**kw, out=out, tail=cfg)  # noqa: E731
+            fn()
+            torch.cuda.synchronize()
+            row["diff_vs_default"] = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
+            if not row["diff_vs_default"] < 1.6e-2:
+                raise AssertionError(f"differs from the default launch by {row['diff_vs_default']:.3g}")
+            graph = _graph(fn)
+            row["path_us"] = _idle_us(graph)
+            row["tail_us"] = _tail_kernel_us(graph)
+            print(f"rows {cfg.rows:3d} n {cfg.block_n:3d} warps {cfg.warps} stages {cfg.stages}: path "
+                  f"{row['path_us']:7.1f} us, tail {row['tail_us']:6.2f} us", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a launch that fails to compile or run is recorded, not fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"rows {cfg.rows} n {cfg.block_n} warps {cfg.warps} stages {cfg.stages}: FAILED {row['error']}",
+                  flush=True)
+            traceback.print_exc(limit=1)
+        rows.append(row)
+    props = torch.cuda.get_device_properties(0)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "gpu": props.name,
+              "torch": torch.__version__, "queries": args.queries, "context": args.context,
+              "default_rel_err_vs_fp32": base_err,
+              "command": f"python benchmarks/turn_tail_sweep_h200.py --out DIR --queries {args.queries} "
+                         f"--context {args.context}", "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = "h200" if "H200" in props.name else "h100" if "H100" in props.name else "gpu"
+    path = args.out / f"turn-tail-sweep-{tag}-{datetime.date.today()}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
