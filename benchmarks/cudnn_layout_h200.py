@@ -67,7 +67,8 @@ def _graph(cudnn, handle, q, k, v, table, page: int | None, scale: float):
     return g, t, o, st, ws
 
 
-def _time(fn) -> dict:
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``CALLS`` calls of ``fn`` (one turn's layers), warmed up on a side stream, replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -79,22 +80,34 @@ def _time(fn) -> dict:
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
 
-    def once() -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) * 1e3 / CALLS
 
-    idle = []
+def call_us(graph) -> float:
+    """One replay of ``capture``'s graph, us a call."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / CALLS
+
+
+def idle_us(graph) -> list[float]:
+    """Three replays, each after 1 s of idle GPU (its clock uncapped, as a served turn finds it)."""
+    times = []
     for _ in range(3):
         time.sleep(1.0)
-        idle.append(once())
+        times.append(call_us(graph))
+    return times
+
+
+def _time(fn) -> dict:
+    graph = capture(fn)
+    idle = idle_us(graph)
     for _ in range(10):
         graph.replay()
-    hot = [once() for _ in range(5)]
+    hot = [call_us(graph) for _ in range(5)]
     return {"idle_us": sorted(idle)[1], "hot_us": sorted(hot)[2], "idle_all": idle, "hot_all": hot}
 
 

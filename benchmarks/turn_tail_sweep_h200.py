@@ -25,43 +25,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cudnn_turn_h200 import _inputs  # noqa: E402  (beside this script)
+from cudnn_layout_h200 import capture, idle_us  # noqa: E402  (beside this script)
+from cudnn_turn_h200 import _inputs  # noqa: E402
 from engine_common import _kernel_calls  # noqa: E402
 
 from qml_kernels import attention_turn  # noqa: E402
 from qml_kernels.attention import paged_attention_ref  # noqa: E402
 from qml_kernels.attention_turn import TailLaunch, turn_attention  # noqa: E402
-
-CALLS = 32
-
-
-def _graph(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
-def _idle_us(graph) -> float:
-    times = []
-    for _ in range(3):
-        time.sleep(1.0)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS)
-    return sorted(times)[1]
-
 
 def _tail_kernel_us(graph) -> float:
     """The tail kernel's median device time over two replays (64 launches), from the profiler."""
@@ -112,8 +82,8 @@ def main() -> int:
             row["diff_vs_default"] = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
             if not row["diff_vs_default"] < 1.6e-2:
                 raise AssertionError(f"differs from the default launch by {row['diff_vs_default']:.3g}")
-            graph = _graph(fn)
-            row["path_us"] = _idle_us(graph)
+            graph = capture(fn)
+            row["path_us"] = sorted(idle_us(graph))[1]
             row["tail_us"] = _tail_kernel_us(graph)
             print(f"rows {cfg.rows:3d} n {cfg.block_n:3d} warps {cfg.warps} stages {cfg.stages}: path "
                   f"{row['path_us']:7.1f} us, tail {row['tail_us']:6.2f} us", flush=True)
