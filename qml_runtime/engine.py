@@ -65,7 +65,6 @@ class _Add:
     seq: Sequence
     emit: Emit
     follow: str | None = None  # a request whose prompt this one shares: admitted once that one's is cached
-    announce: bool = False  # an empty output once its first step runs (``Engine.submit``)
 
 
 @dataclass
@@ -144,7 +143,6 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         # background work meanwhile
         self._expected_until = 0.0
         self._emitters: dict[str, Emit] = {}
-        self._announce: set[str] = set()  # requests to announce once their first step runs (submit's announce)
         self._seqs: dict[str, Sequence] = {}
         self._followers: dict[str, list[Sequence]] = {}  # leader's request id -> requests parked behind it
         # finished requests' pages still to hand to the tiers: [pages, block names, next index, steps run
@@ -266,8 +264,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
             if seq.first_scheduled_time is None:  # a preempted sequence coming back is not counted again
                 seq.first_scheduled_time = now
                 turn_trace.stamp(seq.request_id, "scheduled")
-                if seq.request_id in self._announce:
-                    self._announce.discard(seq.request_id)
+                if seq.announce:
                     announce.append(seq)
                 if self._observe_queue_time is not None:
                     try:
@@ -327,8 +324,9 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
             # (a uint32 array, as the server's chat prompts come, is checked by its bytes: _packed_ids)
             seq = self._new_sequence(prompt_ids if isinstance(prompt_ids, array) else list(prompt_ids), params,
                                      request_id, tenant, session)
+            seq.announce = announce
             turn_trace.stamp(request_id, "submit")
-            self._inbox.put(_Add(seq, emit, follow, announce))
+            self._inbox.put(_Add(seq, emit, follow))
         finally:
             self._expected_until = 0.0  # in the inbox (or refused): nothing more to wait for
         self._wakeup.set()
@@ -665,8 +663,6 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
                 turn_trace.stamp(msg.seq.request_id, "drained")
                 self._seqs[msg.seq.request_id] = msg.seq
                 self._emitters[msg.seq.request_id] = msg.emit
-                if msg.announce:
-                    self._announce.add(msg.seq.request_id)
                 leader = self._seqs.get(msg.follow) if msg.follow else None
                 if leader is not None and leader.num_output_tokens == 0:
                     self._followers.setdefault(leader.request_id, []).append(msg.seq)
@@ -722,7 +718,6 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         self._emit(seq, RequestOutput(seq.request_id, text, tokens or [], reason, logprobs=logprobs))
         self._seqs.pop(seq.request_id, None)
         self._emitters.pop(seq.request_id, None)
-        self._announce.discard(seq.request_id)
         turn_trace.finished(seq.request_id)
         if table:
             # after the client has its last token, and after any request that comes in meanwhile
@@ -737,7 +732,6 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         self._send(seq.request_id, exc)
         self._seqs.pop(seq.request_id, None)
         self._emitters.pop(seq.request_id, None)
-        self._announce.discard(seq.request_id)
 
     def _emit(self, seq: Sequence, out: RequestOutput) -> None:
         turn_trace.stamp(seq.request_id, "emit" if out.token_ids else "announced")

@@ -111,6 +111,7 @@ class Sequence:
         self.named_tokens = bytearray()  # the tokens those names hash, packed (kv.prefix.pack)
         self.num_committed = 0  # pages of block_table registered under their names
         self.admitted = False
+        self.announce = False  # an empty output once its first step is on the device (Engine.submit's announce)
         self.block_table: list[int] = []
         self.pending_load = None  # kv.disk_loads.PendingLoad: blocks streaming into its pages
         self.status = Status.WAITING

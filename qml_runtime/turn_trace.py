@@ -2,7 +2,7 @@
 
 Off unless ``QML_TURN_TRACE`` names a file: then the server and the engine stamp each request at the
 points below (``time.perf_counter``, one clock for both threads), and a request's stamps are appended
-to that file as one JSON line once its first token has been written to the client (``last``), or
+to that file as one JSON line once its first token has been written to the client (``sent``), or
 when it finishes without one. Each stamp costs a dict lookup and a list append; disabled, a global
 test.
 
