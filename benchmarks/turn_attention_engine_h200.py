@@ -161,7 +161,8 @@ def main() -> int:
             continue
         q = q_all[:rows]
         out = torch.empty_like(q)
-        row = {"rows": rows, "launch": list(attention_turn._launch_shape(q, kv[0][0], meta, 132))}
+        E, split, R, pages = attention_turn._launch_shape(q, kv[0][0], meta, 132)
+        row = {"rows": rows, "launch": [E, split.runs, R, pages]}
         try:
             with attention_turn.builds():
                 if not attention_turn.supported(q, kv[0][0], kv[0][1], meta, scale):

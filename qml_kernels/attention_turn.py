@@ -78,6 +78,51 @@ def num_runs(rows: int, kv_heads: int, sms: int) -> int:
     return max(1, min(MAX_RUNS, sms // per_run))
 
 
+@dataclasses.dataclass(frozen=True)
+class RunSplit:
+    """How a sequence's history pages are cut into cuDNN's runs: ``long`` runs of ``weight`` shares of the pages
+    each, then ``short`` runs of one share each (in that order: the order cuDNN's grid hands programs to SMs).
+
+    The default is ``num_runs`` equal runs: on the H200's turn 3 runs of 40 programs, 120 of 132 SMs busy for the
+    whole call. A short run's programs can fill the SMs left over and those freed as they finish: with (3 runs
+    x 4 shares, 1 run x 1) the 12 spare SMs take the short run's 40 programs in about 4 rounds of a quarter of
+    a long program each, while each long run covers 4/13 of the keys instead of 1/3 (-7.7%, by a model of
+    equal rates and no per-program cost); ``benchmarks/turn_tail_sweep_h200.py --splits`` times such splits."""
+
+    long: int
+    short: int = 0
+    weight: int = 1
+
+    def __post_init__(self):
+        if self.long < 1 or self.short < 0 or self.weight < 1 or self.long + self.short > MAX_RUNS:
+            raise ValueError(f"a split needs 1 <= long, 0 <= short, 1 <= weight, long + short <= {MAX_RUNS}: {self}")
+
+    @property
+    def runs(self) -> int:
+        return self.long + self.short
+
+    @property
+    def shares(self) -> int:
+        return self.long * self.weight + self.short
+
+    def pages_per_run(self, pages: int) -> int:
+        """The most pages a run of this split gets out of ``pages`` (a long run's ceiling)."""
+        return -(-pages * self.weight // self.shares)
+
+    @classmethod
+    def parse(cls, text: str) -> RunSplit:
+        """``"LxW+S"`` (L runs of W shares, S runs of one; ``"3"`` is three equal runs, ``"3x4+1"``)."""
+        head, _, short = text.partition("+")
+        long, _, weight = head.partition("x")
+        return cls(int(long), int(short or 0), int(weight or 1))
+
+
+def _default_split(rows: int, kv_heads: int, sms: int) -> RunSplit:
+    """``num_runs`` equal runs, or ``QML_TURN_SPLIT`` (``RunSplit.parse``; the engine's A/B of a split)."""
+    text = os.environ.get("QML_TURN_SPLIT")
+    return RunSplit.parse(text) if text else RunSplit(num_runs(rows, kv_heads, sms))
+
+
 def _bucket(n: int, step: int) -> int:
     return -(-n // step) * step
 
@@ -159,10 +204,10 @@ def builds():
         _builds -= 1
 
 
-def _launch_shape(q, k_cache, meta: AttentionMetadata, sms: int) -> tuple:
-    """The cuDNN launch for this step, from host values only: (E entries, runs per sequence, rows, pages a
+def _launch_shape(q, k_cache, meta: AttentionMetadata, sms: int, split: RunSplit | None = None) -> tuple:
+    """The cuDNN launch for this step, from host values only: (E entries, the split into runs, rows, pages a
     run can hold). The device metadata may hold other lengths (a CUDA graph's replays): the rows and pages
-    are sized for the largest the host lists and the block table allow."""
+    are sized for the largest the host lists and the block table allow. ``split``: the default's if None."""
     H = q.shape[1]
     Hkv = k_cache.shape[2]
     G = H // Hkv
@@ -170,9 +215,9 @@ def _launch_shape(q, k_cache, meta: AttentionMetadata, sms: int) -> tuple:
     cu = meta.cu_seqlens_q_host[:B + 1]
     n_max = max(b - a for a, b in itertools.pairwise(cu))
     rows = _bucket(G * n_max, 64)
-    runs = num_runs(rows, Hkv, sms)
-    max_pages = -(-meta.block_tables.shape[1] // runs) + 1
-    return (B * runs, runs, rows, _bucket(max_pages, 16))
+    split = split or _default_split(rows, Hkv, sms)
+    max_pages = split.pages_per_run(meta.block_tables.shape[1]) + 1
+    return (B * split.runs, split, rows, _bucket(max_pages, 16))
 
 
 def _history_seqs(meta: AttentionMetadata) -> int:
@@ -204,21 +249,21 @@ def _captures(graph: _Graph, k_cache, v_cache) -> bool:
         return False
 
 
-def _graph_for(q, k_cache, meta, scale, v_cache=None) -> tuple[_Graph | None, int]:
-    E, runs, rows, max_pages = _launch_shape(q, k_cache, meta, _sms(q.device.index or 0))
+def _graph_for(q, k_cache, meta, scale, v_cache=None, split: RunSplit | None = None) -> tuple[_Graph | None, RunSplit]:
+    E, split, rows, max_pages = _launch_shape(q, k_cache, meta, _sms(q.device.index or 0), split)
     Hkv, D = k_cache.shape[2], q.shape[2]
     key = (q.device.index, q.dtype, E, Hkv, rows, D, tuple(k_cache.shape), tuple(k_cache.stride()), max_pages,
            float(scale))
     if key not in _GRAPHS:
         if not _builds or torch.cuda.is_current_stream_capturing():
-            return None, runs  # (a build cannot run inside a capture either: the warm-up before it builds)
+            return None, split  # (a build cannot run inside a capture either: the warm-up before it builds)
         try:
             graph = _Graph(_cudnn(), q.device, q.dtype, E, Hkv, rows, D, tuple(k_cache.shape),
                            tuple(k_cache.stride()), max_pages, k_cache.shape[1], scale)
             _GRAPHS[key] = graph if _captures(graph, k_cache, k_cache if v_cache is None else v_cache) else None
         except Exception:  # noqa: BLE001 - cuDNN declines the shape: Triton serves it
             _GRAPHS[key] = None
-    return _GRAPHS[key], runs
+    return _GRAPHS[key], split
 
 
 def supported(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None, sinks=None,
@@ -246,18 +291,24 @@ def supported(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_windo
 @triton.jit
 def _turn_plan_kernel(block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, table_ptr, seq_q_ptr, seq_kv_ptr,
                       tail_ptr, stride_bt, width, max_pages,
-                      RUNS: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+                      RUNS: tl.constexpr, LONG: tl.constexpr, WEIGHT: tl.constexpr, GROUP: tl.constexpr,
+                      PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
     """Entry e = (sequence e // RUNS, run e % RUNS): its pages of the history's whole pages, cut into RUNS
-    runs that differ by at most one page; its lengths (rows: the sequence's queries x G; keys: the run's);
-    and each sequence's first key past its runs (the tail kernel's)."""
+    runs (``RunSplit``: the first LONG of WEIGHT shares each, the rest of one; equal runs differ by at most one
+    page); its lengths (rows: the sequence's queries x G; keys: the run's); and each sequence's first key past
+    its runs (the tail kernel's)."""
     e = tl.program_id(0)
     b = e // RUNS
     r = e % RUNS
     n_q = tl.load(cu_seqlens_q_ptr + b + 1) - tl.load(cu_seqlens_q_ptr + b)
     L = tl.load(context_lens_ptr + b)
     pages = tl.maximum(L - n_q, 0) // PAGE_SIZE
-    lo = r * pages // RUNS
-    count = (r + 1) * pages // RUNS - lo
+    shares = LONG * WEIGHT + (RUNS - LONG)
+    # shares before run r, and before run r + 1
+    before = tl.minimum(r, LONG) * WEIGHT + tl.maximum(r - LONG, 0)
+    upto = tl.minimum(r + 1, LONG) * WEIGHT + tl.maximum(r + 1 - LONG, 0)
+    lo = pages * before // shares
+    count = pages * upto // shares - lo
     for j0 in range(0, max_pages, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
         take = (j < count) & (lo + j < width)
@@ -380,15 +431,16 @@ def _turn_tail_merge_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, hist_o_ptr
 class _Plan:
     """What a step's layers share: the history's runs, laid out for cuDNN on the device (once per step)."""
 
-    def __init__(self, graph, runs: int, meta: AttentionMetadata, group: int, page: int):
-        self.graph, self.runs = graph, runs
+    def __init__(self, graph, split: RunSplit, meta: AttentionMetadata, group: int, page: int):
+        self.graph, self.runs = graph, split.runs
         # (zeros: a sequence past history_seqs gets no entries, so no tail from the plan kernel: all its keys)
         self.tail = torch.zeros(meta.num_seqs, dtype=torch.int32, device=meta.block_tables.device)
         E, _, max_pages, _ = graph.table.shape
         bt = meta.block_tables
         _turn_plan_kernel[(E,)](bt, meta.cu_seqlens_q, meta.context_lens, graph.table, graph.seq_q, graph.seq_kv,
                                 self.tail, bt.stride(0), bt.shape[1], max_pages,
-                                RUNS=runs, GROUP=group, PAGE_SIZE=page, BLOCK=256)
+                                RUNS=split.runs, LONG=split.long, WEIGHT=split.weight, GROUP=group, PAGE_SIZE=page,
+                                BLOCK=256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,23 +457,25 @@ class TailLaunch:
 
 
 def turn_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None, sinks=None,
-                   softcap=None, out=None, history=None, tail: TailLaunch = TailLaunch()) -> torch.Tensor:
+                   softcap=None, out=None, history=None, tail: TailLaunch = TailLaunch(),
+                   split: RunSplit | None = None) -> torch.Tensor:
     """q: [T, H, Dh]; caches [P, S, Hkv, Dh] -> out [T, H, Dh] (see ``supported`` for the steps it serves).
 
     ``history``: what runs the history's part on the packed rows (``plan.graph``'s buffers); cuDNN unless
-    given (tests on machines without it pass a reference). ``tail``: the tail kernel's launch."""
+    given (tests on machines without it pass a reference). ``tail``: the tail kernel's launch. ``split``: the
+    history's runs (None: the default, ``num_runs`` equal ones)."""
     assert sliding_window is None and sinks is None and softcap is None
     T, H, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
     out = torch.empty_like(q) if out is None else out
     # one plan per step and launch shape (layers of other shapes, if a model has them, get their own)
-    key = ("turn", tuple(q.shape), q.dtype, tuple(k_cache.shape), tuple(k_cache.stride()), float(scale))
+    key = ("turn", tuple(q.shape), q.dtype, tuple(k_cache.shape), tuple(k_cache.stride()), float(scale), split)
     plan = meta.plans.get(key)
     if plan is None:
-        graph, runs = _graph_for(q, k_cache, meta, scale, v_cache) if history is None \
-            else history.graph_for(q, k_cache, meta)
-        plan = meta.plans[key] = _Plan(graph, runs, meta, G, S)
+        graph, split = _graph_for(q, k_cache, meta, scale, v_cache, split) if history is None \
+            else history.graph_for(q, k_cache, meta, split)
+        plan = meta.plans[key] = _Plan(graph, split, meta, G, S)
     g = plan.graph
     tt = ROWS // G
     grid = (T // tt + meta.num_seqs, Hkv)
@@ -452,9 +506,10 @@ class HistoryReference:
     def __init__(self, sms: int = 8):
         self.sms = sms
 
-    def graph_for(self, q, k_cache, meta: AttentionMetadata) -> tuple[_Buffers, int]:
-        E, runs, rows, max_pages = _launch_shape(q, k_cache, meta, self.sms)
-        return _Buffers(q.device, q.dtype, E, k_cache.shape[2], rows, q.shape[2], max_pages), runs
+    def graph_for(self, q, k_cache, meta: AttentionMetadata,
+                  split: RunSplit | None = None) -> tuple[_Buffers, RunSplit]:
+        E, split, rows, max_pages = _launch_shape(q, k_cache, meta, self.sms, split)
+        return _Buffers(q.device, q.dtype, E, k_cache.shape[2], rows, q.shape[2], max_pages), split
 
     def __call__(self, g: _Buffers, k_cache, v_cache, scale: float) -> None:
         S, Hkv, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -470,5 +525,5 @@ class HistoryReference:
             g.o[e, :, :rows] = torch.einsum("hrk,khd->hrd", torch.softmax(s, -1), v).to(g.o.dtype)
 
 
-__all__ = ["TURN_MAX_QUERIES", "TURN_MIN_HISTORY", "HistoryReference", "TailLaunch", "num_runs", "supported",
-           "turn_attention"]
+__all__ = ["TURN_MAX_QUERIES", "TURN_MIN_HISTORY", "HistoryReference", "RunSplit", "TailLaunch", "num_runs",
+           "supported", "turn_attention"]

@@ -18,6 +18,7 @@ from qml_kernels.attention import AttentionMetadata, paged_attention_ref
 from qml_kernels.attention_prefill import PAGED_PREFILL_ATTENTION_SPEC
 from qml_kernels.attention_turn import (
     HistoryReference,
+    RunSplit,
     TailLaunch,
     _turn_pack_q_kernel,
     _turn_plan_kernel,
@@ -136,8 +137,8 @@ def test_a_graphs_padding_sequence_gets_no_cudnn_entries(sms):
     one = dataclasses.replace(claimed, history_seqs=1)
     history = HistoryReference(sms)
     both = history.graph_for(x["q"], x["k_cache"], claimed)
-    (g, runs) = history.graph_for(x["q"], x["k_cache"], one)
-    assert g.q.shape[0] == runs and both[0].q.shape[0] == 2 * both[1]
+    (g, split) = history.graph_for(x["q"], x["k_cache"], one)
+    assert g.q.shape[0] == split.runs and both[0].q.shape[0] == 2 * both[1].runs
     got = turn_attention(**dict(x, meta=one), out=torch.full_like(x["q"], float("nan")), history=history)
     err = _rel_err(got, _expected(x))  # the padding sequence's rows too: its keys all went to the tail kernel
     assert err <= TOLERANCES[torch.float32], f"sms={sms}: error {err:.2e} (seed {seed})"
@@ -154,6 +155,69 @@ def test_run_count_fills_one_wave(rows, kv_heads, sms, expected):
     assert num_runs(rows, kv_heads, sms) == expected
 
 
+SPLITS = (RunSplit(3, 1, 4), RunSplit(2, 2, 7), RunSplit(1, 3, 2), RunSplit(4, 12, 9))
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=lambda s: f"{s.long}x{s.weight}+{s.short}")
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=lambda c: c.name)
+def test_uneven_run_splits_match_reference_fp32(case, split):
+    """Long runs and short ones (the last: more runs than some histories have pages, so some are empty) give the
+    same attention."""
+    seed, gen = _seeded()
+    x = _inputs(case, torch.float32, gen)
+    got = turn_attention(**x, out=torch.full_like(x["q"], float("nan")), history=HistoryReference(8), split=split)
+    err = _rel_err(got, _expected(x))
+    assert err <= TOLERANCES[torch.float32], f"{case.name} {split}: error {err:.2e} (seed {seed})"
+
+
+@pytest.mark.parametrize("split", (RunSplit(3), RunSplit(3, 1, 4), RunSplit(2, 3, 5), RunSplit(1, 15, 3)),
+                         ids=lambda s: f"{s.long}x{s.weight}+{s.short}")
+@pytest.mark.parametrize("pages", (1, 7, 97, 1699))
+def test_split_plan_covers_the_history_in_order(split, pages):
+    """The plan kernel's runs: consecutive, covering every whole page of the history once, long runs holding
+    ``weight`` times a short one's pages (to a page), none over the table's width the launch sized."""
+    S, n_q = 16, 5
+    meta = AttentionMetadata.build([0] * n_q, [list(range(100, 100 + pages + 1))], [0, n_q], [pages * S + n_q], "cpu")
+    max_pages = _bucket_pages(split, meta)
+    E = split.runs
+    table = torch.full((E, 1, max_pages, 1), -1, dtype=torch.int32)
+    seq_q, seq_kv = torch.zeros(E, 1, 1, 1, dtype=torch.int32), torch.zeros(E, 1, 1, 1, dtype=torch.int32)
+    tail = torch.zeros(1, dtype=torch.int32)
+    bt = meta.block_tables
+    _turn_plan_kernel[(E,)](bt, meta.cu_seqlens_q, meta.context_lens, table, seq_q, seq_kv, tail, bt.stride(0),
+                            bt.shape[1], max_pages, RUNS=split.runs, LONG=split.long, WEIGHT=split.weight, GROUP=4,
+                            PAGE_SIZE=S, BLOCK=256)
+    counts = [int(seq_kv[e]) // S for e in range(E)]
+    assert sum(counts) == pages and int(tail[0]) == pages * S
+    assert all(int(seq_q[e]) == n_q * 4 for e in range(E))
+    got = [int(table[e, 0, j, 0]) for e in range(E) for j in range(counts[e])]
+    assert got == list(range(100, 100 + pages))
+    unit = pages / split.shares
+    for e, c in enumerate(counts):
+        want = unit * (split.weight if e < split.long else 1)
+        assert abs(c - want) <= 1 and c <= max_pages, (e, counts)
+
+
+def _bucket_pages(split: RunSplit, meta: AttentionMetadata) -> int:
+    x = torch.zeros(meta.num_seqs * 5, 8, 16)
+    return attention_turn._launch_shape(x, torch.zeros(1, 16, 2, 16), meta, 8, split)[3]
+
+
+def test_split_parse_and_bounds(monkeypatch):
+    assert RunSplit.parse("3") == RunSplit(3) and RunSplit.parse("3x4+1") == RunSplit(3, 1, 4)
+    assert RunSplit.parse("2+2") == RunSplit(2, 2, 1)
+    assert RunSplit(3, 1, 4).shares == 13 and RunSplit(3, 1, 4).pages_per_run(1699) == 523
+    for bad in ("0", "3x0+1", "10+7"):
+        with pytest.raises(ValueError):
+            RunSplit.parse(bad)
+    meta = AttentionMetadata.build([0] * 150, [[0] * 1718], [0, 150], [27339], "cpu")
+    q, cache = torch.zeros(150, 32, 128), torch.zeros(4, 16, 8, 128)
+    assert attention_turn._launch_shape(q, cache, meta, 132)[:3] == (3, RunSplit(3), 640)
+    monkeypatch.setenv("QML_TURN_SPLIT", "3x4+1")  # the engine's A/B of a split
+    E, split, _, max_pages = attention_turn._launch_shape(q, cache, meta, 132)
+    assert (E, split) == (4, RunSplit(3, 1, 4)) and max_pages >= 1718 * 4 // 13 + 1
+
+
 def test_supported_only_for_turns_over_long_histories(monkeypatch):
     """The host lists decide: every sequence a turn of at most TURN_MAX_QUERIES over TURN_MIN_HISTORY cached
     keys or more, no window, sinks or soft-cap, not a decode batch; on CPU never."""
@@ -167,7 +231,7 @@ def test_supported_only_for_turns_over_long_histories(monkeypatch):
     assert not attention_turn.supported(q, cache, cache, turn, 0.1)  # CPU tensors
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(attention_turn, "_cudnn", lambda: object())
-    monkeypatch.setattr(attention_turn, "_graph_for", lambda *a: (object(), 3))
+    monkeypatch.setattr(attention_turn, "_graph_for", lambda *a: (object(), RunSplit(3)))
     assert attention_turn.supported(q, cache, cache, turn, 0.1)
     assert not attention_turn.supported(q, cache, cache, meta([0, 150], [150 + 4095]), 0.1)  # short history
     assert not attention_turn.supported(q[:1], cache, cache, meta([0, 1], [27339]), 0.1)  # decode
@@ -176,10 +240,10 @@ def test_supported_only_for_turns_over_long_histories(monkeypatch):
     assert not attention_turn.supported(q, cache, cache, turn, 0.1, sliding_window=128)
     assert not attention_turn.supported(q, cache, cache, turn, 0.1, softcap=30.0)
     assert not attention_turn.supported(q.float(), cache.float(), cache.float(), turn, 0.1)
-    monkeypatch.setattr(attention_turn, "_graph_for", lambda *a: (None, 3))  # cuDNN declined the shape
+    monkeypatch.setattr(attention_turn, "_graph_for", lambda *a: (None, RunSplit(3)))  # cuDNN declined the shape
     assert not attention_turn.supported(q, cache, cache, turn, 0.1)
     monkeypatch.setattr(attention_turn, "ENABLED", False)
-    monkeypatch.setattr(attention_turn, "_graph_for", lambda *a: (object(), 3))
+    monkeypatch.setattr(attention_turn, "_graph_for", lambda *a: (object(), RunSplit(3)))
     assert not attention_turn.supported(q, cache, cache, turn, 0.1)
 
 
@@ -196,13 +260,14 @@ def test_shapes_are_built_only_where_builds_are_allowed(monkeypatch):
     q = torch.zeros(150, 32, 128, dtype=torch.bfloat16)
     cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
     meta = AttentionMetadata.build([0] * 150, [[0] * 1718], [0, 150], [27339], "cpu")
-    assert attention_turn._graph_for(q, cache, meta, 0.1) == (None, 3)
+    three = RunSplit(3)
+    assert attention_turn._graph_for(q, cache, meta, 0.1) == (None, three)
     with attention_turn.builds():
-        assert attention_turn._graph_for(q, cache, meta, 0.1) == ("graph", 3)
-    assert attention_turn._graph_for(q, cache, meta, 0.1) == ("graph", 3)
+        assert attention_turn._graph_for(q, cache, meta, 0.1) == ("graph", three)
+    assert attention_turn._graph_for(q, cache, meta, 0.1) == ("graph", three)
     assert len(built) == 1
     wider = AttentionMetadata.build([0] * 150, [[0] * 5120], [0, 150], [27339], "cpu")
-    assert attention_turn._graph_for(q, cache, wider, 0.1) == (None, 3)  # another table width: another shape
+    assert attention_turn._graph_for(q, cache, wider, 0.1) == (None, three)  # another table width: another shape
 
 
 # -- compiled for the H200 (sm_90a) ----------------------------------------------------------------
@@ -226,7 +291,7 @@ _PACK_SIGNATURE = {"q_ptr": "*bf16", "packed_ptr": "*bf16", "cu_seqlens_q_ptr": 
 _PLAN_SIGNATURE = {**{n: "*i32" for n in ("block_tables_ptr", "cu_seqlens_q_ptr", "context_lens_ptr", "table_ptr",
                                           "seq_q_ptr", "seq_kv_ptr", "tail_ptr")},
                    "stride_bt": _I32, "width": _I32, "max_pages": _I32,
-                   **{n: "constexpr" for n in ("RUNS", "GROUP", "PAGE_SIZE", "BLOCK")}}
+                   **{n: "constexpr" for n in ("RUNS", "LONG", "WEIGHT", "GROUP", "PAGE_SIZE", "BLOCK")}}
 LLAMA = {"RUNS": 3, "GROUP": 4, "HEAD_DIM": 128}
 VARIANTS = {
     "tail-merge-llama": {"kernel": _turn_tail_merge_kernel, "signature": _TAIL_SIGNATURE, "num_stages": 2,
@@ -238,7 +303,9 @@ VARIANTS = {
     "pack-llama": {"kernel": _turn_pack_q_kernel, "signature": _PACK_SIGNATURE,
                    "constexprs": {**LLAMA, "TILE_TOKENS": 16, "BLOCK_M": 64}},
     "plan-llama": {"kernel": _turn_plan_kernel, "signature": _PLAN_SIGNATURE,
-                   "constexprs": {"RUNS": 3, "GROUP": 4, "PAGE_SIZE": 16, "BLOCK": 256}},
+                   "constexprs": {"RUNS": 3, "LONG": 3, "WEIGHT": 1, "GROUP": 4, "PAGE_SIZE": 16, "BLOCK": 256}},
+    "plan-llama-split": {"kernel": _turn_plan_kernel, "signature": _PLAN_SIGNATURE,
+                         "constexprs": {"RUNS": 4, "LONG": 3, "WEIGHT": 4, "GROUP": 4, "PAGE_SIZE": 16, "BLOCK": 256}},
 }
 
 

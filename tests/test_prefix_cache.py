@@ -264,3 +264,27 @@ def test_chain_names_blocks_as_block_hash_does_from_any_starting_block():
     assert chain(tokens, 16, fp, salt, start=one_by_one[3], first_block=4) == one_by_one[4:]
     assert chain(tokens, 16, fp, salt, start=one_by_one[-1], first_block=9) == []
     assert chain(tokens, 16, fp, b"tenant-b") != one_by_one  # the salt is in every link
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["cached-pages-free", "cached-pages-held"])
+def test_admission_fit_counts_free_cached_pages_once(held):
+    """A turn whose cached prefix sits on free pages takes them out of the free pool: it fits when the rest of
+    the pool holds its new pages, exactly, and waits when one page short; pages another request holds are not
+    taken out again."""
+    prefix_tokens = list(range(64))  # 4 full pages
+    for extra_pages, fits in ((0, True), (1, False)):
+        sched = make(num_blocks=8)
+        run_to_end(sched, seq(prefix_tokens + [7]))  # the prefix cached, its pages free (5 released)
+        if held:  # another turn of the same prefix runs, holding those 4 pages and one of its own
+            other = seq(prefix_tokens + [8], name="other")
+            sched.add(other)
+            sched.schedule()
+            assert len(other.block_table) == 5 and sched.blocks.num_free == 3
+        free = sched.blocks.num_free
+        room = free - (0 if held else 4)  # pages left for the new turn's own tokens
+        turn = seq(prefix_tokens + [9] * (16 * (room + extra_pages)), name="turn")
+        sched.add(turn)
+        batch = sched.schedule()
+        assert (turn in batch.seqs) is fits, (held, extra_pages, free)
+        if fits:
+            assert turn.num_cached == 64 and len(turn.block_table) == 4 + room

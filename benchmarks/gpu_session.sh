@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU machine's runs of a session, by name: what the results under benchmarks/results/ came from.
+#
+# Here (a CPU machine with pip's index), once:   bash benchmarks/gpu_session.sh wheels
+#   downloads into .whl/ (git-ignored, ~30 MB) the wheels the GPU machine lacks for the engine, the server and the
+#   tests: the device tool's `run` carries it (carry: [".whl"]).
+# There (`run` with carry [".whl"]):             bash benchmarks/gpu_session.sh PHASE [PHASE...]
+#   installs the wheels into /tmp/site (kept while the machine stays warm), then runs each phase; what a phase
+#   writes goes under $OUT/PHASE, packed as $OUT/PHASE.tgz (a call brings back at most 8 files).
+#
+# Phases (each a few minutes on an H200; a call may run for 10):
+#   served        the sessions table: GPU history, host RAM, disk after restart (server_h200.py sessions)
+#   served-trace  the same with QML_TURN_TRACE, and the trace's report (turn_trace_report.py)
+#   build-ab      the build's 38 GPU-history turns with the trace, twice: as the tree is, then with $AB_ENV set
+#                 (e.g. AB_ENV="QML_TURN_SPLIT=3x4+1"), alternated twice
+#   probe         the in-process launch probe of the GPU-history turn (engine_h200.py --sections gputurn)
+#   sweep         the turn attention by RunSplit and by tail launch (turn_tail_sweep_h200.py)
+#   layout        cuDNN's turn attention by KV layout (cudnn_layout_h200.py)
+#   tests         the tests that take the GPU path on a GPU (the turn attention, the engine's GPU turn)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS="gguf starlette uvicorn h11 anyio sniffio click httptools uvloop prometheus-client xxhash zstandard
+        llguidance>=1.9 tqdm hypothesis sortedcontainers nvidia-cudnn-frontend"
+
+if [ "${1:-}" = wheels ]; then
+  mkdir -p .whl
+  # shellcheck disable=SC2086  (the list splits into its names)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $WHEELS || exit
+  du -sh .whl
+  exit 0
+fi
+
+OUT=${OUT:?"run on the GPU machine (the device tool sets OUT)"}
+if [ ! -f /tmp/site/.installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit
+  touch /tmp/site/.installed
+fi
+export PYTHONPATH=$PWD:/tmp/site
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+pack() {  # pack $OUT/$1 into $OUT/$1.tgz
+  tar -czf "$OUT/$1.tgz" -C "$OUT" "$1" && rm -rf "${OUT:?}/$1"
+}
+
+served_trace() {  # $1: the directory; the rest: server_h200.py's arguments
+  local dir=$1
+  shift
+  mkdir -p "$dir"
+  QML_TURN_TRACE=$dir/trace.jsonl python3 benchmarks/server_h200.py sessions --out "$dir" "$@"
+  python3 benchmarks/turn_trace_report.py "$dir/trace.jsonl" --json "$dir/trace-report.json" | tail -3
+  gzip -f "$dir/trace.jsonl"
+}
+
+for phase in "$@"; do
+  echo "=== $phase $(date -u +%FT%TZ)"
+  dir=$OUT/$phase
+  mkdir -p "$dir"
+  case $phase in
+    served) python3 benchmarks/server_h200.py sessions --out "$dir" ;;
+    served-trace) served_trace "$dir" ;;
+    build-ab)
+      : "${AB_ENV:?build-ab needs AB_ENV, e.g. QML_TURN_SPLIT=3x4+1}"
+      for round in 1 2; do
+        served_trace "$dir/tree-$round" --build-only
+        # shellcheck disable=SC2086  (AB_ENV: one or more NAME=VALUE words)
+        (export $AB_ENV && served_trace "$dir/ab-$round" --build-only)
+      done ;;
+    probe) python3 benchmarks/engine_h200.py --sections gputurn --probes launch --out "$dir" ;;
+    sweep) python3 benchmarks/turn_tail_sweep_h200.py --out "$dir" ;;
+    layout) python3 benchmarks/cudnn_layout_h200.py --out "$dir" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_attention_turn.py tests/test_attention_turn_engine.py tests/test_prefill_graph_gpu.py \
+             2>&1 | tail -15 | tee "$dir/pytest.txt" ;;
+    *) echo "unknown phase: $phase" >&2 ;;
+  esac
+  pack "$phase"
+done
