@@ -195,8 +195,10 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
                 self._froze = True
             # The loop shares the GIL with whoever consumes its tokens (the server's event loop).
             # Python's default 5 ms switch interval lets either hold it that long while the other
-            # has a step to launch or a token to send: 0.5 ms keeps those waits short.
-            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
+            # has a step to launch or a token to send: 0.5 ms keeps those waits short (not swept on a GPU:
+            # QML_SWITCH_INTERVAL_US sets another for an A/B).
+            interval = float(os.environ.get("QML_SWITCH_INTERVAL_US", 500)) / 1e6
+            sys.setswitchinterval(min(sys.getswitchinterval(), interval))
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="qml-engine", daemon=True)
             self._thread.start()
