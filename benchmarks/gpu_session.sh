@@ -14,7 +14,9 @@
 #   build-ab      the build's 38 GPU-history turns with the trace, twice: as the tree is, then with $AB_ENV set
 #                 (e.g. AB_ENV="QML_TURN_SPLIT=3x4+1"), alternated twice
 #   probe         the in-process launch probe of the GPU-history turn (engine_h200.py --sections gputurn)
-#   sweep         the turn attention by RunSplit and by tail launch (turn_tail_sweep_h200.py)
+#   sweep         the turn attention by RunSplit and by tail launch (turn_tail_sweep_h200.py); the fastest split
+#                 goes to $OUT/best-split.txt
+#   split-ab      build-ab with QML_TURN_SPLIT set to that split (or $SPLIT), the engine's turns served
 #   layout        cuDNN's turn attention by KV layout (cudnn_layout_h200.py)
 #   tests         the tests that take the GPU path on a GPU (the turn attention, the engine's GPU turn)
 set -uo pipefail
@@ -70,7 +72,23 @@ for phase in "$@"; do
         (export $AB_ENV && served_trace "$dir/ab-$round" --build-only)
       done ;;
     probe) python3 benchmarks/engine_h200.py --sections gputurn --probes launch --out "$dir" ;;
-    sweep) python3 benchmarks/turn_tail_sweep_h200.py --out "$dir" ;;
+    sweep)
+      python3 benchmarks/turn_tail_sweep_h200.py --out "$dir"
+      # the fastest split over the whole turn path, for split-ab (kept beside the packed results)
+      python3 -c "import glob, json, sys; rows = [r for f in glob.glob(sys.argv[1] + '/turn-tail-sweep-*.json')
+        for r in json.load(open(f))['rows'] if r.get('split') and 'path_us' in r]
+best = min(rows, key=lambda r: r['path_us'])['split'] if rows else None
+print('best split:', best)
+open(sys.argv[2], 'w').write('' if best is None else '{long}x{weight}+{short}'.format(**best))" "$dir" "$OUT/best-split.txt"
+      ;;
+    split-ab)
+      split=$(cat "$OUT/best-split.txt" 2>/dev/null || true)
+      split=${SPLIT:-$split}
+      if [ -z "$split" ]; then echo "split-ab: no split (run sweep first, or set SPLIT=3x4+1)"; continue; fi
+      for round in 1 2; do
+        served_trace "$dir/tree-$round" --build-only
+        (export QML_TURN_SPLIT=$split && served_trace "$dir/split-$split-$round" --build-only)
+      done ;;
     layout) python3 benchmarks/cudnn_layout_h200.py --out "$dir" ;;
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_attention_turn.py tests/test_attention_turn_engine.py tests/test_prefill_graph_gpu.py \
              2>&1 | tail -15 | tee "$dir/pytest.txt" ;;
