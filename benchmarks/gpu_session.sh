@@ -12,7 +12,7 @@
 #   served        the sessions table: GPU history, host RAM, disk after restart (server_h200.py sessions)
 #   served-trace  the same with QML_TURN_TRACE, and the trace's report (turn_trace_report.py)
 #   build-ab      the build's 38 GPU-history turns with the trace, twice: as the tree is, then with $AB_ENV set
-#                 (e.g. AB_ENV="QML_TURN_SPLIT=3x4+1"), alternated twice
+#                 (e.g. AB_ENV="QML_HANDOFF=1", AB_ENV="QML_SWITCH_INTERVAL_US=100"), alternated twice
 #   probe         the in-process launch probe of the GPU-history turn (engine_h200.py --sections gputurn)
 #   sweep         the turn attention by RunSplit and by tail launch (turn_tail_sweep_h200.py); the fastest split
 #                 goes to $OUT/best-split.txt

@@ -58,6 +58,12 @@ Emit = Callable[[RequestOutput | BaseException], None]
 # the token of a step launched behind another whose tokens are not yet known (never a real token id)
 PLACEHOLDER = -1
 PUMP_POLL_S = 0.001  # while idle with kept pages still to copy down: how often the next chunk is tried
+# QML_HANDOFF=1 (a GPU's engine): a request submitted to an idle engine from another thread (the server's event
+# loop) has its submitter wait, without the GIL, until the request's first step is launched, at most this long.
+# Otherwise the submitter goes on with its own work (the handler awaiting its first output) while the engine
+# thread schedules and stages the step, and the two share the GIL (sys.setswitchinterval below). Off until an
+# A/B on the GPU says (on CPU a step's while_running comes after its compute: there it would only wait).
+HANDOFF_S = 0.005
 
 
 @dataclass
@@ -131,6 +137,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         self.warmup = device.type == "cuda" if warmup is None else warmup
         # decode steps launched one ahead of their tokens (_loop); False: every step waited for
         self.overlap = overlap
+        self.hand_over = device.type == "cuda" and os.environ.get("QML_HANDOFF") == "1"  # (HANDOFF_S)
         self.pump_beside_min_tokens = PUMP_BESIDE_MIN_TOKENS
         # the start-up heap moved out of the cyclic GC's sight while serving (start): on by default on a GPU
         self.freeze_heap = device.type == "cuda" if freeze_heap is None else freeze_heap
@@ -266,7 +273,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
             if seq.first_scheduled_time is None:  # a preempted sequence coming back is not counted again
                 seq.first_scheduled_time = now
                 turn_trace.stamp(seq.request_id, "scheduled")
-                if seq.announce:
+                if seq.announce or seq.started is not None:
                     announce.append(seq)
                 if self._observe_queue_time is not None:
                     try:
@@ -322,16 +329,21 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         """
         request_id = request_id or uuid.uuid4().hex
         self.expect_request()
+        hand_over = (self.hand_over and self._thread is not None and threading.current_thread() is not self._thread
+                     and self.idle)
         try:
             # (a uint32 array, as the server's chat prompts come, is checked by its bytes: _packed_ids)
             seq = self._new_sequence(prompt_ids if isinstance(prompt_ids, array) else list(prompt_ids), params,
                                      request_id, tenant, session)
             seq.announce = announce
+            seq.started = threading.Event() if hand_over else None
             turn_trace.stamp(request_id, "submit")
             self._inbox.put(_Add(seq, emit, follow))
         finally:
             self._expected_until = 0.0  # in the inbox (or refused): nothing more to wait for
         self._wakeup.set()
+        if seq.started is not None:
+            seq.started.wait(HANDOFF_S)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -478,6 +490,9 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         batch = self.scheduler.schedule()  # (a scheduler bug fails every request: _loop's handler)
         if not batch:
             release()  # nothing to launch: the writers need not wait for this thread
+            for seq in self._seqs.values():  # nor the submitters of requests that wait (HANDOFF_S)
+                if seq.started is not None:
+                    seq.started.set()
             loads = self.scheduler.loading()
             if loads:  # everything runnable waits for blocks streaming in from disk
                 futures.wait([load.future for load in loads], timeout=0.05,
@@ -567,10 +582,13 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         return None
 
     def _announce_started(self, seqs: list[Sequence]) -> None:
-        """The empty output of ``submit``'s ``announce``, for each of ``seqs`` still running."""
+        """The empty output of ``submit``'s ``announce``, for each of ``seqs`` still running; submitters waiting
+        for the step's launch (HANDOFF_S) go on."""
         for seq in seqs:
-            if seq.status is not Status.FINISHED:
+            if seq.announce and seq.status is not Status.FINISHED:
                 self._emit(seq, RequestOutput(seq.request_id, "", []))
+            if seq.started is not None:
+                seq.started.set()
         seqs.clear()
 
     def _launch_following(self, inflight: Launched) -> Launched | None:
@@ -709,6 +727,8 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
         # its pages, to keep in the tiers below once the client has its last token: released just below,
         # they keep their names (and K/V) until an allocation takes them, and none happens before then
         table = list(seq.block_table) if self.tiers is not None and reason in ("stop", "length") else []
+        if seq.started is not None:
+            seq.started.set()
         if seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, reason)
         self.runner.release(seq)
@@ -728,6 +748,8 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
             self._queue_persist(table, seq.block_names)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        if seq.started is not None:
+            seq.started.set()
         self.scheduler.finish(seq, "error")
         self.runner.release(seq)
         self._release_followers(seq)

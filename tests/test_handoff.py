@@ -1,0 +1,83 @@
+"""``QML_HANDOFF=1`` (``engine.HANDOFF_S``): a request submitted to an idle engine has its submitter wait until the
+request's first step is launched, and the engine lets it go on in every outcome: the step launched, the request
+failed before any step, the request waiting for room. Checked on CPU with the hand-over forced on (it is a GPU
+engine's: on CPU a step's ``while_running`` comes after its compute) and the wait made long, so that a submitter
+left waiting shows as an unset event, not as a slow test."""
+
+from __future__ import annotations
+
+import pytest
+
+from qml_runtime import engine as engine_module
+from qml_runtime.presets import load_preset_engine
+from qml_runtime.sampling_params import SamplingParams
+
+
+@pytest.fixture()
+def engine(monkeypatch):
+    eng = load_preset_engine("preset:tiny-llama", True, device="cpu", kv_cache_gib=0.002)
+    monkeypatch.setattr(engine_module, "HANDOFF_S", 30.0)
+    eng.hand_over = True
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+def _submit(eng, prompt: list[int], max_tokens: int = 2):
+    """Submit ``prompt``; -> (its sequence, its outputs' queue)."""
+    import queue
+
+    made = []
+    real = eng._new_sequence
+    eng._new_sequence = lambda *a, **k: made.append(real(*a, **k)) or made[-1]
+    outputs: queue.SimpleQueue = queue.SimpleQueue()
+    try:
+        eng.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), outputs.put)
+    finally:
+        eng._new_sequence = real
+    return made[0], outputs
+
+
+def _last(outputs):
+    while True:
+        out = outputs.get(timeout=60)
+        if isinstance(out, BaseException) or out.finished:
+            return out
+
+
+def test_the_submitter_goes_on_once_the_first_step_is_launched(engine):
+    seq, outputs = _submit(engine, list(range(30, 70)))
+    assert seq.started is not None and seq.started.is_set()  # submit returned: the step had been launched
+    assert _last(outputs).completion_tokens == 2
+    busy_seq, busy_outputs = _submit(engine, list(range(30, 40)), max_tokens=200)
+    other, other_outputs = _submit(engine, list(range(40, 50)))  # the engine is not idle: no hand-over
+    assert busy_seq.started is not None and other.started is None
+    _last(busy_outputs), _last(other_outputs)
+
+
+def test_a_request_whose_step_fails_before_its_launch_lets_its_submitter_go(engine):
+    real = engine.runner.step
+
+    def failing(batch, eager=False, while_running=None):
+        raise RuntimeError("the step failed before its kernels were queued")
+
+    engine.runner.step = failing
+    try:
+        seq, outputs = _submit(engine, list(range(30, 50)), max_tokens=1)
+        assert seq.started.is_set()
+        assert isinstance(_last(outputs), RuntimeError)
+    finally:
+        engine.runner.step = real
+
+
+def test_no_hand_over_without_the_flag_or_from_the_engine_thread(monkeypatch):
+    monkeypatch.delenv("QML_HANDOFF", raising=False)
+    eng = load_preset_engine("preset:tiny-llama", True, device="cpu", kv_cache_gib=0.002)
+    assert not eng.hand_over  # (and on CPU never by itself: device.type != "cuda")
+    eng.start()
+    try:
+        seq, outputs = _submit(eng, list(range(30, 50)))
+        assert seq.started is None
+        _last(outputs)
+    finally:
+        eng.shutdown()
