@@ -61,8 +61,10 @@ PUMP_POLL_S = 0.001  # while idle with kept pages still to copy down: how often 
 # QML_HANDOFF=1 (a GPU's engine): a request submitted to an idle engine from another thread (the server's event
 # loop) has its submitter wait, without the GIL, until the request's first step is launched, at most this long.
 # Otherwise the submitter goes on with its own work (the handler awaiting its first output) while the engine
-# thread schedules and stages the step, and the two share the GIL (sys.setswitchinterval below). Off until an
-# A/B on the GPU says (on CPU a step's while_running comes after its compute: there it would only wait).
+# thread schedules and stages the step, and the two share the GIL (sys.setswitchinterval below). The other way
+# round, once such a request's first token is out the engine does not launch a decode step ahead before it waits
+# for the one in flight (``_first_token_out``). Off until an A/B on the GPU says (on CPU a step's while_running
+# comes after its compute: there the submitter would only wait).
 HANDOFF_S = 0.005
 
 
@@ -455,7 +457,7 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
             # Overlap: the next decode step is queued before this one's tokens are waited for, so
             # the host's work (collecting, detokenizing, streaming, launching) hides behind the
             # device's. Anything new (a request, an abort) first waits for the step in flight.
-            following = None if drained else self._launch_following(inflight)
+            following = None if drained or self._first_token_out(inflight) else self._launch_following(inflight)
             self._complete(inflight)
             # one chunk: a large one while the step after it is on the device already, else a small one (a request
             # that came in waits for it)
@@ -590,6 +592,14 @@ class Engine(KeptPages):  # (its hand-over of finished requests' pages to the ti
             if seq.started is not None:
                 seq.started.set()
         seqs.clear()
+
+    def _first_token_out(self, inflight: Launched) -> bool:
+        """Whether ``inflight`` is the first decode step of a request running alone, whose first token was just
+        emitted: with the hand-over on (HANDOFF_S), the step after it is not launched ahead, so that the engine
+        thread waits for the device, without the GIL, while the server sends that token (one step of this
+        request's decode then runs without the overlap)."""
+        seqs = inflight.batch.seqs
+        return self.hand_over and len(seqs) == 1 and len(self._seqs) == 1 and seqs[0].num_output_tokens == 1
 
     def _launch_following(self, inflight: Launched) -> Launched | None:
         """Launch the decode step after ``inflight`` before its tokens are known, when it is certain to

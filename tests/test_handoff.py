@@ -1,6 +1,6 @@
 """``QML_HANDOFF=1`` (``engine.HANDOFF_S``): a request submitted to an idle engine has its submitter wait until the
 request's first step is launched, and the engine lets it go on in every outcome: the step launched, the request
-failed before any step, the request waiting for room. Checked on CPU with the hand-over forced on (it is a GPU
+failed before any step; and a lone request's first decode step is not followed ahead. Checked on CPU with the hand-over forced on (it is a GPU
 engine's: on CPU a step's ``while_running`` comes after its compute) and the wait made long, so that a submitter
 left waiting shows as an unset event, not as a slow test."""
 
@@ -81,3 +81,35 @@ def test_no_hand_over_without_the_flag_or_from_the_engine_thread(monkeypatch):
         _last(outputs)
     finally:
         eng.shutdown()
+
+
+def test_a_lone_requests_first_decode_step_is_not_followed_ahead():
+    """With the hand-over, the decode step after a lone request's first token waits for the device before the next
+    is launched behind it (the engine thread lets the server send the token): one launch fewer behind another,
+    the same tokens. On CPU the decode graphs run their static-buffer path eagerly (as tests/test_overlap.py)."""
+    from qml_runtime.config import CacheConfig, SchedulerConfig
+    from qml_runtime.cuda_graphs import DecodeGraphs
+    from qml_runtime.engine import Engine
+
+    base = load_preset_engine("preset:tiny-llama", True, device="cpu", kv_cache_gib=0.002)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    seen = {}
+    for hand_over in (False, True):
+        eng = Engine(base.model, base.tokenizer, base.model_config, model_id="t", device=base.device,
+                     dtype=base.dtype, cache=CacheConfig(block_size=4, num_blocks=64), scheduler=SchedulerConfig(),
+                     overlap=True)
+        eng.runner.graphs = DecodeGraphs(base.model, eng.kv, base.device, 8, eng.context_length, capture=False)
+        eng.hand_over = hand_over
+        behind = []
+        run = eng.runner.graphs.run
+        eng.runner.graphs.run = lambda seqs, prev=None, run=run, behind=behind: (
+            behind.append(prev is not None), run(seqs, prev))[-1]
+        eng.start()
+        try:
+            out = eng.generate_sync(list(range(30, 50)), params)
+        finally:
+            eng.shutdown()
+        seen[hand_over] = (out.token_ids, behind)
+    assert seen[True][0] == seen[False][0] and len(seen[True][0]) == 8
+    assert sum(seen[True][1]) == sum(seen[False][1]) - 1 > 0
+    assert seen[True][1][:2] == [False, False] and seen[False][1][:2] == [False, True]
