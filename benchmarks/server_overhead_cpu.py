@@ -45,7 +45,7 @@ def serve(port: int, chat: bool = False) -> None:
 
     import qml_server.routes_chat as chat_route
     import qml_server.routes_completions as route
-    from qml_runtime.engine import _packed_ids
+    from qml_runtime.engine_requests import _packed_ids
     from qml_runtime.presets import ByteTokenizer
 
     try:

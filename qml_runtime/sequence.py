@@ -113,7 +113,7 @@ class Sequence:
         self.num_committed = 0  # pages of block_table registered under their names
         self.admitted = False
         self.announce = False  # an empty output once its first step is on the device (Engine.submit's announce)
-        self.started: threading.Event | None = None  # set once that step is launched (engine.HANDOFF_S)
+        self.started: threading.Event | None = None  # set once that step is launched (engine_requests.HANDOFF_S)
         self.block_table: list[int] = []
         self.pending_load = None  # kv.disk_loads.PendingLoad: blocks streaming into its pages
         self.status = Status.WAITING

@@ -1,14 +1,14 @@
-"""``QML_HANDOFF=1`` (``engine.HANDOFF_S``): a request submitted to an idle engine has its submitter wait until the
-request's first step is launched, and the engine lets it go on in every outcome: the step launched, the request
-failed before any step; and a lone request's first decode step is not followed ahead. Checked on CPU with the hand-over forced on (it is a GPU
-engine's: on CPU a step's ``while_running`` comes after its compute) and the wait made long, so that a submitter
-left waiting shows as an unset event, not as a slow test."""
+"""``QML_HANDOFF=1`` (``engine_requests.HANDOFF_S``): a request submitted to an idle engine has its submitter wait
+until the request's first step is launched, and the engine lets it go on in every outcome: the step launched,
+the request failed before any step; and a lone request's first decode step is not followed ahead. Checked on CPU
+with the hand-over forced on (it is a GPU engine's: on CPU a step's ``while_running`` comes after its compute) and
+the wait made long, so that a submitter left waiting shows as an unset event, not as a slow test."""
 
 from __future__ import annotations
 
 import pytest
 
-from qml_runtime import engine as engine_module
+from qml_runtime import engine_requests
 from qml_runtime.presets import load_preset_engine
 from qml_runtime.sampling_params import SamplingParams
 
@@ -16,7 +16,7 @@ from qml_runtime.sampling_params import SamplingParams
 @pytest.fixture()
 def engine(monkeypatch):
     eng = load_preset_engine("preset:tiny-llama", True, device="cpu", kv_cache_gib=0.002)
-    monkeypatch.setattr(engine_module, "HANDOFF_S", 30.0)
+    monkeypatch.setattr(engine_requests, "HANDOFF_S", 30.0)
     eng.hand_over = True
     eng.start()
     yield eng

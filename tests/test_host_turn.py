@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qml_kernels.attention import block_tables_tensor
-from qml_runtime.engine import _packed_ids
+from qml_runtime.engine_requests import _packed_ids
 from qml_runtime.kv.prefix import pack
 
 
