@@ -70,7 +70,9 @@ for phase in "$@"; do
         served_trace "$dir/tree-$round" --build-only
         # shellcheck disable=SC2086  (AB_ENV: one or more NAME=VALUE words)
         (export $AB_ENV && served_trace "$dir/ab-$round" --build-only)
-      done ;;
+      done
+      python3 benchmarks/turn_trace_report.py "$dir"/tree-*/trace.jsonl.gz "$dir"/ab-*/trace.jsonl.gz \
+        --json "$dir/ab-report.json" | tee "$dir/ab-report.txt" ;;
     probe) python3 benchmarks/engine_h200.py --sections gputurn --probes launch --out "$dir" ;;
     sweep)
       python3 benchmarks/turn_tail_sweep_h200.py --out "$dir"
@@ -88,7 +90,9 @@ open(sys.argv[2], 'w').write('' if best is None else '{long}x{weight}+{short}'.f
       for round in 1 2; do
         served_trace "$dir/tree-$round" --build-only
         (export QML_TURN_SPLIT=$split && served_trace "$dir/split-$split-$round" --build-only)
-      done ;;
+      done
+      python3 benchmarks/turn_trace_report.py "$dir"/tree-*/trace.jsonl.gz "$dir"/split-*/trace.jsonl.gz \
+        --json "$dir/ab-report.json" | tee "$dir/ab-report.txt" ;;
     layout) python3 benchmarks/cudnn_layout_h200.py --out "$dir" ;;
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_attention_turn.py tests/test_attention_turn_engine.py tests/test_prefill_graph_gpu.py \
              2>&1 | tail -15 | tee "$dir/pytest.txt" ;;

@@ -3,42 +3,85 @@ between consecutive points, grouped by how long the first step ran on the device
 
     QML_TURN_TRACE=/tmp/trace.jsonl python benchmarks/server_h200.py sessions --out DIR
     python benchmarks/turn_trace_report.py /tmp/trace.jsonl [--max-step-ms 30] [--json OUT]
+    python benchmarks/turn_trace_report.py DIR/tree-1/trace.jsonl.gz DIR/tree-2/... DIR/ab-1/... DIR/ab-2/...
 
-Prints one row per request whose first step took less than ``--max-step-ms`` (the GPU-history turns; a
-host-RAM restore or a fresh prefill takes longer), then the medians of those rows.
+One file: one row per request whose first step took less than ``--max-step-ms`` (the GPU-history turns; a
+host-RAM restore or a fresh prefill takes longer), then the medians of those rows. Several files (an A/B, as
+``benchmarks/gpu_session.sh build-ab`` writes them; ``.gz`` read as is): the medians of each, then of each side,
+the files pooled by their directory's name less a trailing ``-N`` (``tree-1``, ``tree-2`` -> ``tree``), and each
+side's difference from the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import re
 import statistics
 from pathlib import Path
 
 from qml_runtime.turn_trace import gaps
 
+
+def turn_rows(path: Path, max_step_ms: float) -> list[dict[str, float]]:
+    """The spans (``turn_trace.gaps``) of the requests in ``path`` whose first step took under ``max_step_ms``."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    rows = []
+    for line in text.splitlines():
+        rec = json.loads(line)
+        if "step" in rec and "token" in rec and (rec["token"] - rec["step"]) * 1e3 < max_step_ms:
+            rows.append(gaps(rec))
+    return rows
+
+
+def medians(rows: list[dict[str, float]], keys: list[str]) -> dict[str, float]:
+    return {k: round(statistics.median(v), 3) for k in keys if (v := [r[k] for r in rows if k in r])}
+
+
+def side_of(path: Path) -> str:
+    return re.sub(r"-\d+$", "", path.parent.name) or str(path)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("trace", type=Path)
+    p.add_argument("traces", type=Path, nargs="+")
     p.add_argument("--max-step-ms", type=float, default=30.0)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    rows = []
-    for line in args.trace.read_text().splitlines():
-        rec = json.loads(line)
-        if "step" in rec and "token" in rec and (rec["token"] - rec["step"]) * 1e3 < args.max_step_ms:
-            rows.append(gaps(rec))
+    by_file = {path: turn_rows(path, args.max_step_ms) for path in args.traces}
+    rows = [r for rs in by_file.values() for r in rs]
     if not rows:
         print("no request with a first step under", args.max_step_ms, "ms")
         return 1
-    keys = [k for k in dict.fromkeys(k for r in rows for k in r)]
-    print(" ".join(f"{k:>18s}" for k in keys))
-    for r in rows:
-        print(" ".join(f"{r[k]:18.3f}" if k in r else f"{'':>18s}" for k in keys))
-    med = {k: round(statistics.median([r[k] for r in rows if k in r]), 3) for k in keys}
-    print(" ".join(f"{med[k]:18.3f}" for k in keys), " <- medians of", len(rows))
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print(f"{'':>14s} " + " ".join(f"{k:>18s}" for k in keys))
+    if len(args.traces) == 1:
+        for r in rows:
+            print(f"{'':>14s} " + " ".join(f"{r[k]:18.3f}" if k in r else f"{'':>18s}" for k in keys))
+        med = medians(rows, keys)
+        print(f"{'medians':>14s} " + " ".join(f"{med.get(k, float('nan')):18.3f}" for k in keys), " of", len(rows))
+        if args.json:
+            args.json.write_text(json.dumps({"rows": rows, "medians": med}, indent=1))
+        return 0
+    for path, rs in by_file.items():
+        med = medians(rs, keys)
+        print(f"{path.parent.name[:14]:>14s} " + " ".join(f"{med.get(k, float('nan')):18.3f}" for k in keys),
+              " of", len(rs))
+    sides: dict[str, list[dict[str, float]]] = {}
+    for path, rs in by_file.items():
+        sides.setdefault(side_of(path), []).extend(rs)
+    pooled = {side: medians(rs, keys) for side, rs in sides.items()}
+    first = next(iter(pooled.values()))
+    for side, med in pooled.items():
+        print(f"{side[:14]:>14s} " + " ".join(f"{med.get(k, float('nan')):18.3f}" for k in keys),
+              " of", len(sides[side]), "(pooled)")
+    for side, med in list(pooled.items())[1:]:
+        print(f"{('- ' + next(iter(pooled)))[:14]:>14s} " + " ".join(
+            f"{med.get(k, float('nan')) - first.get(k, float('nan')):+18.3f}" for k in keys), f" ({side})")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "medians": med}, indent=1))
+        args.json.write_text(json.dumps({"files": {str(p): medians(rs, keys) for p, rs in by_file.items()},
+                                         "sides": pooled}, indent=1))
     return 0
 
 

@@ -51,3 +51,41 @@ def test_disabled_it_records_nothing(monkeypatch):
     turn_trace.stamp("x", "handler")
     turn_trace.done("x")
     assert "x" not in turn_trace._records
+
+
+def test_the_report_compares_the_sides_of_an_ab(tmp_path, capsys):
+    """``benchmarks/turn_trace_report.py`` over an A/B's files (``gpu_session.sh build-ab``): each file's medians,
+    each side's pooled over its runs (``tree-1``, ``tree-2`` -> ``tree``), and the difference from the first side;
+    turns whose first step ran longer than ``--max-step-ms`` left out, gzipped files read as they are."""
+    import gzip
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import turn_trace_report
+
+    def record(submit_ms: float, step_ms: float) -> dict:
+        t = {"handler": 0.0, "submit": 0.001, "drained": 0.001 + submit_ms / 1e3}
+        t["step"] = t["drained"] + 0.0005
+        t["token"] = t["step"] + step_ms / 1e3
+        t["sent"] = t["token"] + 0.0002
+        return {"id": "x", **t}
+
+    files = []
+    for name, submits in (("tree-1", (0.3, 0.5)), ("tree-2", (0.4,)), ("ab-1", (0.1, 0.2)), ("ab-2", (0.1,))):
+        (tmp_path / name).mkdir()
+        lines = "".join(json.dumps(record(ms, 11.0)) + "\n" for ms in submits) + json.dumps(record(9.0, 400.0)) + "\n"
+        path = tmp_path / name / ("trace.jsonl.gz" if name.endswith("2") else "trace.jsonl")
+        path.write_bytes(gzip.compress(lines.encode()) if path.suffix == ".gz" else lines.encode())
+        files.append(str(path))
+    out = tmp_path / "report.json"
+    old, sys.argv = sys.argv, ["turn_trace_report.py", *files, "--json", str(out)]
+    try:
+        assert turn_trace_report.main() == 0
+    finally:
+        sys.argv = old
+    report = json.loads(out.read_text())
+    assert report["sides"]["tree"]["submit->drained"] == 0.4 and report["sides"]["ab"]["submit->drained"] == 0.1
+    assert report["sides"]["tree"]["step->token"] == 11.0  # the 400 ms turns are not GPU-history turns
+    printed = capsys.readouterr().out
+    assert "(pooled)" in printed and "-0.300" in printed
