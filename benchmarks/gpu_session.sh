@@ -23,7 +23,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 WHEELS="gguf starlette uvicorn h11 anyio sniffio click httptools uvloop prometheus-client xxhash zstandard
-        llguidance>=1.9 tqdm hypothesis sortedcontainers nvidia-cudnn-frontend"
+        llguidance>=1.9 tqdm hypothesis sortedcontainers nvidia-cudnn-frontend pytest pluggy iniconfig
+        httpx httpcore certifi idna"
 
 if [ "${1:-}" = wheels ]; then
   mkdir -p .whl
@@ -37,7 +38,12 @@ fi
 
 OUT=${OUT:?"run on the GPU machine (the device tool sets OUT)"}
 if [ ! -f /tmp/site/.installed ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit
+  # all at once; where one wheel does not fit this machine, one by one, so that the others still go in
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null ||
+    for wheel in .whl/*.whl; do
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$wheel" ||
+        echo "not installed: $wheel"
+    done
   touch /tmp/site/.installed
 fi
 export PYTHONPATH=$PWD:/tmp/site
