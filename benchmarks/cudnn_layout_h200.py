@@ -102,6 +102,19 @@ def idle_us(graph) -> list[float]:
     return times
 
 
+def write_result(out_dir: Path, stem: str, fields: dict) -> Path:
+    """``fields`` after the run's date, GPU and torch, as ``out_dir/STEM-{h200,h100,gpu}-DATE.json``."""
+    props = torch.cuda.get_device_properties(0)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "gpu": props.name,
+              "torch": torch.__version__, **fields}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = "h200" if "H200" in props.name else "h100" if "H100" in props.name else "gpu"
+    path = out_dir / f"{stem}-{tag}-{datetime.date.today()}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print("wrote", path)
+    return path
+
+
 def _time(fn) -> dict:
     graph = capture(fn)
     idle = idle_us(graph)
@@ -229,17 +242,11 @@ def main() -> int:
         case("dense-tok", "tok", None, runs, rows640)
     case("dense-tok rows=real", "tok", None, 3, rows_real)
     case("paged16-tok (engine)", "tok", 16, 3, rows640)  # again at the end: the card's drift
-    props = torch.cuda.get_device_properties(0)
-    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "gpu": props.name, "torch": torch.__version__, "cudnn_backend": torch.backends.cudnn.version(),
-           "cudnn_frontend": cudnn.__version__, "queries": n_q, "history": hist, "calls_per_graph": CALLS,
-           "command": f"python benchmarks/cudnn_layout_h200.py --out DIR --queries {n_q} --history {hist}",
-           "results": results}
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = "h200" if "H200" in props.name else "h100" if "H100" in props.name else "gpu"
-    path = args.out / f"cudnn-layout-{tag}-{datetime.date.today()}.json"
-    path.write_text(json.dumps(out, indent=1))
-    print("wrote", path)
+    write_result(args.out, "cudnn-layout", {
+        "cudnn_backend": torch.backends.cudnn.version(), "cudnn_frontend": cudnn.__version__, "queries": n_q,
+        "history": hist, "calls_per_graph": CALLS,
+        "command": f"python benchmarks/cudnn_layout_h200.py --out DIR --queries {n_q} --history {hist}",
+        "results": results})
     return 0
 
 

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import itertools
-import json
 import sys
 import time
 import traceback
@@ -32,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cudnn_layout_h200 import capture, idle_us  # noqa: E402  (beside this script)
+from cudnn_layout_h200 import capture, idle_us, write_result  # noqa: E402  (beside this script)
 from cudnn_turn_h200 import _inputs  # noqa: E402
 from engine_common import _kernel_calls  # noqa: E402
 
@@ -121,17 +119,10 @@ def main() -> int:
             print(f"{label}: FAILED {row['error']}", flush=True)
             traceback.print_exc(limit=1)
         rows.append(row)
-    props = torch.cuda.get_device_properties(0)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "gpu": props.name,
-              "torch": torch.__version__, "queries": args.queries, "context": args.context,
-              "default_rel_err_vs_fp32": base_err,
-              "command": f"python benchmarks/turn_tail_sweep_h200.py --out DIR --queries {args.queries} "
-                         f"--context {args.context} --splits '{args.splits}'", "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = "h200" if "H200" in props.name else "h100" if "H100" in props.name else "gpu"
-    path = args.out / f"turn-tail-sweep-{tag}-{datetime.date.today()}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print("wrote", path)
+    write_result(args.out, "turn-tail-sweep", {
+        "queries": args.queries, "context": args.context, "default_rel_err_vs_fp32": base_err,
+        "command": f"python benchmarks/turn_tail_sweep_h200.py --out DIR --queries {args.queries} "
+                   f"--context {args.context} --splits '{args.splits}'", "rows": rows})
     return 0
 
 
