@@ -18,7 +18,8 @@
 #                 goes to $OUT/best-split.txt
 #   split-ab      build-ab with QML_TURN_SPLIT set to that split (or $SPLIT), the engine's turns served
 #   layout        cuDNN's turn attention by KV layout (cudnn_layout_h200.py)
-#   tests         the tests that take the GPU path on a GPU (the turn attention, the engine's GPU turn)
+#   waves         the wave model's splits of the turn attention against equal runs at 150, 163 and 280 queries
+#   tests         the tests that take the GPU path on a GPU (the turn attention, the engine's GPU turn; or $TESTS)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -83,12 +84,17 @@ for phase in "$@"; do
     sweep)
       python3 benchmarks/turn_tail_sweep_h200.py --out "$dir"
       # the fastest split over the whole turn path, for split-ab (kept beside the packed results)
-      python3 -c "import glob, json, sys; rows = [r for f in glob.glob(sys.argv[1] + '/turn-tail-sweep-*.json')
+      python3 -c "import glob, json, sys; rows = [r for f in glob.glob(sys.argv[1] + '/turn-tail-sweep-[hg]*.json')
         for r in json.load(open(f))['rows'] if r.get('split') and 'path_us' in r]
 best = min(rows, key=lambda r: r['path_us'])['split'] if rows else None
 print('best split:', best)
 open(sys.argv[2], 'w').write('' if best is None else '{long}x{weight}+{short}'.format(**best))" "$dir" "$OUT/best-split.txt"
       ;;
+    waves)  # the wave model's splits (attention_turn.wave_split) against equal runs, at turns of 5, 6 and 9 tiles
+      for qs in "150:3,3x4+1,3x8+2" "163:2,3,2x4+3,2x3+2,2x2+1" "280:1,2,1x6+5,1x4+3,1x3+2"; do
+        python3 benchmarks/turn_tail_sweep_h200.py --out "$dir" --queries "${qs%%:*}" --splits "${qs#*:}" --tails none \
+          2>&1 | grep -v -i warn
+      done ;;
     split-ab)
       split=$(cat "$OUT/best-split.txt" 2>/dev/null || true)
       split=${SPLIT:-$split}
@@ -100,7 +106,7 @@ open(sys.argv[2], 'w').write('' if best is None else '{long}x{weight}+{short}'.f
       python3 benchmarks/turn_trace_report.py "$dir"/tree-*/trace.jsonl.gz "$dir"/split-*/trace.jsonl.gz \
         --json "$dir/ab-report.json" | tee "$dir/ab-report.txt" ;;
     layout) python3 benchmarks/cudnn_layout_h200.py --out "$dir" ;;
-    tests) python3 -m pytest -q -p no:cacheprovider tests/test_attention_turn.py tests/test_attention_turn_engine.py tests/test_prefill_graph_gpu.py \
+    tests) python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_attention_turn.py tests/test_attention_turn_engine.py tests/test_prefill_graph_gpu.py} \
              2>&1 | tail -15 | tee "$dir/pytest.txt" ;;
     *) echo "unknown phase: $phase" >&2 ;;
   esac

@@ -65,6 +65,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=27339)
     p.add_argument("--seconds", type=float, default=240.0, help="stop sweeping after this long")
     p.add_argument("--splits", default=SPLITS, help="RunSplit.parse forms, comma-separated ('' : none)")
+    p.add_argument("--tails", choices=("all", "none"), default="all", help="sweep the tail's launches too")
     args = p.parse_args()
     t_start = time.time()
     dev = torch.device("cuda")
@@ -78,7 +79,8 @@ def main() -> int:
     base_err = ((base.float() - ref).abs().max() / ref.abs().max()).item()
     splits = [RunSplit.parse(t) for t in args.splits.split(",") if t]
     tails = [default] + [TailLaunch(rows=r, block_n=n, warps=w, stages=s) for r, n, w, s in
-                         itertools.product((16, 32, 64), (32, 64, 128), (2, 4), (2, 3))]
+                         itertools.product((16, 32, 64), (32, 64, 128), (2, 4), (2, 3))
+                         if args.tails == "all"]
     variants = [(split, default) for split in splits] + [(None, cfg) for cfg in tails]
     rows = []
     seen = set()
@@ -119,10 +121,10 @@ def main() -> int:
             print(f"{label}: FAILED {row['error']}", flush=True)
             traceback.print_exc(limit=1)
         rows.append(row)
-    write_result(args.out, "turn-tail-sweep", {
+    write_result(args.out, "turn-tail-sweep" + ("" if args.queries == 150 else f"-q{args.queries}"), {
         "queries": args.queries, "context": args.context, "default_rel_err_vs_fp32": base_err,
         "command": f"python benchmarks/turn_tail_sweep_h200.py --out DIR --queries {args.queries} "
-                   f"--context {args.context} --splits '{args.splits}'", "rows": rows})
+                   f"--context {args.context} --splits '{args.splits}' --tails {args.tails}", "rows": rows})
     return 0
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import heapq
 import itertools
 import os
 
@@ -117,10 +118,54 @@ class RunSplit:
         return cls(int(long), int(short or 0), int(weight or 1))
 
 
+# The wave model's costs, in units of one cuDNN program over the whole history (~440 us at 27k keys on an H100:
+# ``turn-tail-sweep-h100-2026-12-06.json``): a program's fixed cost, and a run's (the tail merges one more).
+WAVE_PROGRAM_COST = 0.001
+WAVE_RUN_COST = 0.003
+
+
+def wave_time(split: RunSplit, per_run: int, sms: int) -> float:
+    """The wave model's time of ``split``'s cuDNN call (plus its runs' merge): its programs, ``per_run`` a run in
+    the grid's order (long runs first), each taken by the first SM free, at a rate one program's keys a unit."""
+    long_t = split.weight / split.shares + WAVE_PROGRAM_COST
+    short_t = 1 / split.shares + WAVE_PROGRAM_COST
+    free = [0.0] * sms  # a heap of the SMs' free times
+    for n, t in ((split.long * per_run, long_t), (split.short * per_run, short_t)):
+        for _ in range(n):
+            heapq.heapreplace(free, free[0] + t)
+    return max(free) + WAVE_RUN_COST * split.runs
+
+
+@functools.cache
+def wave_split(per_run: int, sms: int) -> RunSplit:
+    """The split the wave model times fastest: equal runs (``num_runs``'s when it is as fast), or long runs that
+    fit one wave beside short ones that fill the SMs they leave. E.g. 48 programs a run (Llama-3.1-8B, 161-192
+    queries) on 132 SMs: 2 equal runs leave 36 SMs idle for the whole call (0.50 of a program over the whole
+    history), 2 runs of 4 shares and 3 of 1 end together at ~0.38."""
+    equal = RunSplit(max(1, min(MAX_RUNS, sms // per_run)))
+    best, best_t = equal, wave_time(equal, per_run, sms)
+    for long in range(1, MAX_RUNS + 1):
+        for short in range(0, MAX_RUNS + 1 - long):
+            weights = range(1, 13) if short and long * per_run <= sms else (1,)
+            for weight in weights:
+                split = RunSplit(long, short, weight)
+                if (long + short) * per_run > 4 * sms:  # more rounds than a split of this kind ever wins by
+                    continue
+                t = wave_time(split, per_run, sms)
+                if t < best_t * 0.99:  # a split that wins by less than the model's error stays out
+                    best, best_t = split, t
+    return best
+
+
 def _default_split(rows: int, kv_heads: int, sms: int) -> RunSplit:
-    """``num_runs`` equal runs, or ``QML_TURN_SPLIT`` (``RunSplit.parse``; the engine's A/B of a split)."""
+    """``wave_split``'s for this launch, or ``QML_TURN_SPLIT`` (``RunSplit.parse``, or ``equal``: ``num_runs``'s
+    equal runs; the engine's A/B of a split)."""
     text = os.environ.get("QML_TURN_SPLIT")
-    return RunSplit.parse(text) if text else RunSplit(num_runs(rows, kv_heads, sms))
+    if text == "equal":
+        return RunSplit(num_runs(rows, kv_heads, sms))
+    if text:
+        return RunSplit.parse(text)
+    return wave_split(kv_heads * -(-rows // CUDNN_TILE), sms)
 
 
 def _bucket(n: int, step: int) -> int:

@@ -177,12 +177,14 @@ def test_split_plan_covers_the_history_in_order(split, pages):
     """The plan kernel's runs: consecutive, covering every whole page of the history once, long runs holding
     ``weight`` times a short one's pages (to a page), none over the table's width the launch sized."""
     S, n_q = 16, 5
-    meta = AttentionMetadata.build([0] * n_q, [list(range(100, 100 + pages + 1))], [0, n_q], [pages * S + n_q], "cpu")
+    meta = AttentionMetadata.build([0] * n_q, [list(range(100, 100 + pages + 1))], [0, n_q], [pages * S + n_q],
+                                   DEVICE)
     max_pages = _bucket_pages(split, meta)
     E = split.runs
-    table = torch.full((E, 1, max_pages, 1), -1, dtype=torch.int32)
-    seq_q, seq_kv = torch.zeros(E, 1, 1, 1, dtype=torch.int32), torch.zeros(E, 1, 1, 1, dtype=torch.int32)
-    tail = torch.zeros(1, dtype=torch.int32)
+    table = torch.full((E, 1, max_pages, 1), -1, dtype=torch.int32, device=DEVICE)
+    seq_q = torch.zeros(E, 1, 1, 1, dtype=torch.int32, device=DEVICE)
+    seq_kv = torch.zeros_like(seq_q)
+    tail = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     bt = meta.block_tables
     _turn_plan_kernel[(E,)](bt, meta.cu_seqlens_q, meta.context_lens, table, seq_q, seq_kv, tail, bt.stride(0),
                             bt.shape[1], max_pages, RUNS=split.runs, LONG=split.long, WEIGHT=split.weight, GROUP=4,
@@ -212,10 +214,45 @@ def test_split_parse_and_bounds(monkeypatch):
             RunSplit.parse(bad)
     meta = AttentionMetadata.build([0] * 150, [[0] * 1718], [0, 150], [27339], "cpu")
     q, cache = torch.zeros(150, 32, 128), torch.zeros(4, 16, 8, 128)
-    assert attention_turn._launch_shape(q, cache, meta, 132)[:3] == (3, RunSplit(3), 640)
+    default = attention_turn.wave_split(40, 132)  # 5 tiles x 8 KV heads a run
+    assert attention_turn._launch_shape(q, cache, meta, 132)[:3] == (default.runs, default, 640)
     monkeypatch.setenv("QML_TURN_SPLIT", "3x4+1")  # the engine's A/B of a split
     E, split, _, max_pages = attention_turn._launch_shape(q, cache, meta, 132)
     assert (E, split) == (4, RunSplit(3, 1, 4)) and max_pages >= 1718 * 4 // 13 + 1
+    monkeypatch.setenv("QML_TURN_SPLIT", "equal")  # num_runs' equal runs
+    assert attention_turn._launch_shape(q, cache, meta, 132)[:2] == (3, RunSplit(3))
+
+
+def test_wave_time_counts_rounds_of_programs():
+    """The model's arithmetic on hand-worked launches (costs taken out): 3 equal runs of 40 programs on 132 SMs
+    are one round of a third; 4 equal runs are two (the 160 programs do not fit); 3x4+1's short run takes
+    the 12 spare SMs 4 rounds of 1/13, ending with the long runs at 4/13."""
+    a, c = attention_turn.WAVE_PROGRAM_COST, attention_turn.WAVE_RUN_COST
+    t = attention_turn.wave_time
+    assert t(RunSplit(3), 40, 132) == pytest.approx(1 / 3 + a + 3 * c)
+    assert t(RunSplit(4), 40, 132) == pytest.approx(2 * (1 / 4 + a) + 4 * c)
+    assert t(RunSplit(3, 1, 4), 40, 132) == pytest.approx(4 * (1 / 13 + a) + 4 * c)
+
+
+@pytest.mark.parametrize("per_run", range(4, 161, 4))
+def test_wave_split_never_slower_than_equal_runs(per_run):
+    """For every launch size: the split is valid, fits MAX_RUNS, and the model times it no slower than
+    ``num_runs``' equal runs; and where equal runs leave a third of the SMs idle it finds a faster one."""
+    sms = 132
+    split = attention_turn.wave_split(per_run, sms)
+    equal = RunSplit(max(1, min(attention_turn.MAX_RUNS, sms // per_run)))
+    t, t_equal = attention_turn.wave_time(split, per_run, sms), attention_turn.wave_time(equal, per_run, sms)
+    assert split.runs <= attention_turn.MAX_RUNS and t <= t_equal
+    if equal.runs < attention_turn.MAX_RUNS and equal.runs * per_run <= sms * 2 // 3:
+        assert t < t_equal * 0.9, (per_run, split, t, t_equal)
+
+
+def test_wave_split_of_the_measured_turns():
+    """What the H100 sweep (``turn-tail-sweep-h100-2026-12-06.json``) says for 150 queries (40 programs): one short
+    run beside 3 long ones of 4 shares (-4.3% of the path against 3 equal runs, the sweep's best); 161-192 queries
+    (48): not 2 equal runs, which leave 36 SMs idle."""
+    assert attention_turn.wave_split(40, 132) == RunSplit(3, 1, 4)
+    assert attention_turn.wave_split(48, 132).short > 0
 
 
 def test_supported_only_for_turns_over_long_histories(monkeypatch):
@@ -260,14 +297,14 @@ def test_shapes_are_built_only_where_builds_are_allowed(monkeypatch):
     q = torch.zeros(150, 32, 128, dtype=torch.bfloat16)
     cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
     meta = AttentionMetadata.build([0] * 150, [[0] * 1718], [0, 150], [27339], "cpu")
-    three = RunSplit(3)
-    assert attention_turn._graph_for(q, cache, meta, 0.1) == (None, three)
+    split = attention_turn.wave_split(40, 132)
+    assert attention_turn._graph_for(q, cache, meta, 0.1) == (None, split)
     with attention_turn.builds():
-        assert attention_turn._graph_for(q, cache, meta, 0.1) == ("graph", three)
-    assert attention_turn._graph_for(q, cache, meta, 0.1) == ("graph", three)
+        assert attention_turn._graph_for(q, cache, meta, 0.1) == ("graph", split)
+    assert attention_turn._graph_for(q, cache, meta, 0.1) == ("graph", split)
     assert len(built) == 1
     wider = AttentionMetadata.build([0] * 150, [[0] * 5120], [0, 150], [27339], "cpu")
-    assert attention_turn._graph_for(q, cache, wider, 0.1) == (None, three)  # another table width: another shape
+    assert attention_turn._graph_for(q, cache, wider, 0.1) == (None, split)  # another table width: another shape
 
 
 # -- compiled for the H200 (sm_90a) ----------------------------------------------------------------
