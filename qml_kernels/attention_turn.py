@@ -84,11 +84,12 @@ class RunSplit:
     """How a sequence's history pages are cut into cuDNN's runs: ``long`` runs of ``weight`` shares of the pages
     each, then ``short`` runs of one share each (in that order: the order cuDNN's grid hands programs to SMs).
 
-    The default is ``num_runs`` equal runs: on the H200's turn 3 runs of 40 programs, 120 of 132 SMs busy for the
-    whole call. A short run's programs can fill the SMs left over and those freed as they finish: with (3 runs
-    x 4 shares, 1 run x 1) the 12 spare SMs take the short run's 40 programs in about 4 rounds of a quarter of
-    a long program each, while each long run covers 4/13 of the keys instead of 1/3 (-7.7%, by a model of
-    equal rates and no per-program cost); ``benchmarks/turn_tail_sweep_h200.py --splits`` times such splits."""
+    The default is ``wave_split``'s. Equal runs (``num_runs``: on the H200's 150-query turn 3 runs of 40 programs,
+    120 of 132 SMs busy for the whole call) leave SMs idle where a run's programs do not divide them; a short run's
+    programs can fill the SMs left over and those freed as they finish: with (3 runs x 4 shares, 1 run x 1) the 12
+    spare SMs take the short run's 40 programs in 4 rounds of a quarter of a long program each, while each long run
+    covers 4/13 of the keys instead of 1/3. Measured on an H100 (``turn-waves-h100-2026-12-06.md``): -2.8% of the
+    turn path at 150 queries, -17.5% at 163 (48 programs a run: 2 equal runs left 36 SMs idle), -37% at 280."""
 
     long: int
     short: int = 0
@@ -508,7 +509,7 @@ def turn_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_
 
     ``history``: what runs the history's part on the packed rows (``plan.graph``'s buffers); cuDNN unless
     given (tests on machines without it pass a reference). ``tail``: the tail kernel's launch. ``split``: the
-    history's runs (None: the default, ``num_runs`` equal ones)."""
+    history's runs (None: the default, ``wave_split``'s)."""
     assert sliding_window is None and sinks is None and softcap is None
     T, H, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -571,4 +572,4 @@ class HistoryReference:
 
 
 __all__ = ["TURN_MAX_QUERIES", "TURN_MIN_HISTORY", "HistoryReference", "RunSplit", "TailLaunch", "num_runs",
-           "supported", "turn_attention"]
+           "supported", "turn_attention", "wave_split", "wave_time"]
