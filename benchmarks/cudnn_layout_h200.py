@@ -67,8 +67,9 @@ def _graph(cudnn, handle, q, k, v, table, page: int | None, scale: float):
     return g, t, o, st, ws
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``CALLS`` calls of ``fn`` (one turn's layers), warmed up on a side stream, replayed once."""
+def capture(fn, calls: int = CALLS) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of ``fn`` (by default one turn's layers), warmed up on a side stream, replayed
+    once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -76,7 +77,7 @@ def capture(fn) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(CALLS):
+        for _ in range(calls):
             fn()
     graph.replay()
     torch.cuda.synchronize()

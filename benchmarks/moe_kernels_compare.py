@@ -13,12 +13,16 @@ import importlib.util
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
 from qml_kernels.moe_gemm import MoEGemmConfig, moe_block_size, moe_gemm_triton
 from qml_kernels.moe_routing import draw_expert_ids, moe_align_triton, moe_combine_triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cudnn_layout_h200 import capture  # noqa: E402  (beside this script)
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--old-ref", default="c432811")
@@ -41,16 +45,7 @@ def bench_us(fn):
 
 
 def graph_us(fn, calls=20):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return do_bench(graph.replay, return_mode="median") * 1e3 / calls
+    return do_bench(capture(fn, calls).replay, return_mode="median") * 1e3 / calls
 
 
 E, k, D, Ie = 128, 8, 2048, 768
