@@ -148,10 +148,12 @@ def wave_split(per_run: int, sms: int) -> RunSplit:
     for long in range(1, MAX_RUNS + 1):
         for short in range(0, MAX_RUNS + 1 - long):
             weights = range(1, 13) if short and long * per_run <= sms else (1,)
+            if (long + short) * per_run > 4 * sms:  # more rounds than a split of this kind ever wins by
+                continue
             for weight in weights:
                 split = RunSplit(long, short, weight)
-                if (long + short) * per_run > 4 * sms:  # more rounds than a split of this kind ever wins by
-                    continue
+                if weight / split.shares + WAVE_PROGRAM_COST >= best_t:  # a long program alone (grows with weight)
+                    break
                 t = wave_time(split, per_run, sms)
                 if t < best_t * 0.99:  # a split that wins by less than the model's error stays out
                     best, best_t = split, t
