@@ -92,7 +92,7 @@ def fake_cuda() -> None:
 
     torch.cuda.current_stream = lambda device=None: _Stream()
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.cuda.Event = _Stream
+    torch.cuda.Event = torch.cuda.Stream = _Stream  # (the staged restore's DMA stream too)
     try:  # the restore's index, built where ``_upload_layers`` looks it up
         from qml_runtime.kv import host_restores
 
@@ -119,6 +119,12 @@ def one_turn(args, rng: random.Random) -> dict[str, float]:
             marks.setdefault("copy", time.perf_counter())
 
         qml_kernels.page_copy.page_copy = copy  # (imported by ``_upload_layers`` when it runs)
+        try:  # the staged restore (QML_RESTORE_STAGED, the default since session 28) starts with a 2D copy
+            from qml_runtime.kv import dma
+
+            dma.copy_2d_to_device = copy
+        except ImportError:  # (a tree from before it)
+            pass
         tiers = sched.tiers
         tiers._in_place, tiers._restore_stream = True, _Stream()
     else:

@@ -404,6 +404,29 @@ def test_the_restore_admit_benchmark_restores_the_history_and_marks_the_copy():
     assert 0 < row["to_copy"] <= row["schedule"]
 
 
+def test_the_restore_admit_benchmark_runs_the_gpu_path_with_stand_ins(monkeypatch):
+    """``--layered``: the GPU's restore path (the staged one by default) runs on CPU up to its first copy, with
+    CUDA's streams and events stood in for (put back after this test)."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    import qml_kernels.page_copy
+    from qml_runtime.kv import dma, host_restores
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import restore_admit_cpu
+
+    for obj, name in ((torch.cuda, "current_stream"), (torch.cuda, "stream"), (torch.cuda, "Event"),
+                      (torch.cuda, "Stream"), (host_restores, "int64_rows"), (qml_kernels.page_copy, "page_copy"),
+                      (dma, "copy_2d_to_device")):
+        monkeypatch.setattr(obj, name, getattr(obj, name))  # (restored at the end, whatever the script sets)
+    restore_admit_cpu.fake_cuda()
+    args = argparse.Namespace(history=40 * S, new=5, blocks=48, chunk=256, repeats=1, layered=True)
+    row = restore_admit_cpu.one_turn(args, random.Random(0))
+    assert 0 < row["to_copy"] <= row["schedule"]
+
+
 def test_int64_rows_is_torch_tensor_of_the_lists():
     from qml_runtime.kv.host_restores import int64_rows
 
