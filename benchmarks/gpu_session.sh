@@ -64,6 +64,17 @@ served_trace() {  # $1: the directory; the rest: server_h200.py's arguments
   gzip -f "$dir/trace.jsonl"
 }
 
+ab_rounds() {  # $1: the directory, $2: the other side's name, $3: its NAME=VALUE words; the build's turns served
+  local dir=$1 side=$2 env=$3 round  # tree / other side, twice, then the report of the two sides
+  for round in 1 2; do
+    served_trace "$dir/tree-$round" --build-only
+    # shellcheck disable=SC2086  (env: one or more NAME=VALUE words)
+    (export $env && served_trace "$dir/$side-$round" --build-only)
+  done
+  python3 benchmarks/turn_trace_report.py "$dir"/tree-*/trace.jsonl.gz "$dir/$side"-*/trace.jsonl.gz \
+    --json "$dir/ab-report.json" | tee "$dir/ab-report.txt"
+}
+
 for phase in "$@"; do
   echo "=== $phase $(date -u +%FT%TZ)"
   dir=$OUT/$phase
@@ -73,13 +84,7 @@ for phase in "$@"; do
     served-trace) served_trace "$dir" ;;
     build-ab)
       : "${AB_ENV:?build-ab needs AB_ENV, e.g. QML_TURN_SPLIT=3x4+1}"
-      for round in 1 2; do
-        served_trace "$dir/tree-$round" --build-only
-        # shellcheck disable=SC2086  (AB_ENV: one or more NAME=VALUE words)
-        (export $AB_ENV && served_trace "$dir/ab-$round" --build-only)
-      done
-      python3 benchmarks/turn_trace_report.py "$dir"/tree-*/trace.jsonl.gz "$dir"/ab-*/trace.jsonl.gz \
-        --json "$dir/ab-report.json" | tee "$dir/ab-report.txt" ;;
+      ab_rounds "$dir" ab "$AB_ENV" ;;
     probe) python3 benchmarks/engine_h200.py --sections gputurn --probes launch --out "$dir" ;;
     sweep)
       python3 benchmarks/turn_tail_sweep_h200.py --out "$dir"
@@ -99,12 +104,7 @@ open(sys.argv[2], 'w').write('' if best is None else '{long}x{weight}+{short}'.f
       split=$(cat "$OUT/best-split.txt" 2>/dev/null || true)
       split=${SPLIT:-$split}
       if [ -z "$split" ]; then echo "split-ab: no split (run sweep first, or set SPLIT=3x4+1)"; continue; fi
-      for round in 1 2; do
-        served_trace "$dir/tree-$round" --build-only
-        (export QML_TURN_SPLIT=$split && served_trace "$dir/split-$split-$round" --build-only)
-      done
-      python3 benchmarks/turn_trace_report.py "$dir"/tree-*/trace.jsonl.gz "$dir"/split-*/trace.jsonl.gz \
-        --json "$dir/ab-report.json" | tee "$dir/ab-report.txt" ;;
+      ab_rounds "$dir" "split-$split" "QML_TURN_SPLIT=$split" ;;
     layout) python3 benchmarks/cudnn_layout_h200.py --out "$dir" ;;
     tests) python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_attention_turn.py tests/test_attention_turn_engine.py tests/test_prefill_graph_gpu.py} \
              2>&1 | tail -15 | tee "$dir/pytest.txt" ;;

@@ -75,7 +75,14 @@ def _cudnn():
 def num_runs(rows: int, kv_heads: int, sms: int) -> int:
     """Runs of the history (batch entries per sequence) so that one sequence's cuDNN programs fill one
     wave: ``kv_heads x ceil(rows / 128)`` programs a run, one per SM."""
-    per_run = kv_heads * -(-rows // CUDNN_TILE)
+    return _equal_runs(_programs_per_run(rows, kv_heads), sms)
+
+
+def _programs_per_run(rows: int, kv_heads: int) -> int:
+    return kv_heads * -(-rows // CUDNN_TILE)
+
+
+def _equal_runs(per_run: int, sms: int) -> int:
     return max(1, min(MAX_RUNS, sms // per_run))
 
 
@@ -143,7 +150,7 @@ def wave_split(per_run: int, sms: int) -> RunSplit:
     fit one wave beside short ones that fill the SMs they leave. E.g. 48 programs a run (Llama-3.1-8B, 161-192
     queries) on 132 SMs: 2 equal runs leave 36 SMs idle for the whole call (0.50 of a program over the whole
     history), 2 runs of 4 shares and 3 of 1 end together at ~0.38."""
-    equal = RunSplit(max(1, min(MAX_RUNS, sms // per_run)))
+    equal = RunSplit(_equal_runs(per_run, sms))
     best, best_t = equal, wave_time(equal, per_run, sms)
     for long in range(1, MAX_RUNS + 1):
         for short in range(0, MAX_RUNS + 1 - long):
@@ -168,7 +175,7 @@ def _default_split(rows: int, kv_heads: int, sms: int) -> RunSplit:
         return RunSplit(num_runs(rows, kv_heads, sms))
     if text:
         return RunSplit.parse(text)
-    return wave_split(kv_heads * -(-rows // CUDNN_TILE), sms)
+    return wave_split(_programs_per_run(rows, kv_heads), sms)
 
 
 def _bucket(n: int, step: int) -> int:
