@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from qml_runtime import turn_trace
 from qml_runtime.config import SchedulerConfig
 from qml_runtime.kv.block_manager import BlockManager
 from qml_runtime.kv.prefix import ROOT, TOKEN_BYTES, KnownChains, chain_packed, pack
@@ -182,8 +183,11 @@ class Scheduler:
         while the blocks before them are recomputed (``RestorePlanner.plan``).
         """
         S = self.blocks.block_size
+        turn_trace.stamp(seq.request_id, "admit")
         pages = self._cached_prefix(seq) if self.prefix_caching else []
         below = self._restorable(seq, len(pages)) if self.prefix_caching and self.tiers else []  # their tiers
+        if below:
+            turn_trace.stamp(seq.request_id, "located")
         on_gpu = len(pages)
         # every block below the GPU gets a page at admission, whether it is copied, loaded or computed
         covered = (on_gpu + len(below)) * S
@@ -199,17 +203,20 @@ class Scheduler:
         computed = on_gpu * S
         if below:
             plan = self.tiers.plan(below, S, on_gpu * S, seq.num_tokens - covered)
+            turn_trace.stamp(seq.request_id, "planned")
             # the pages the history lands in: the copy into them is launched before the bookkeeping of what
             # they held (their names, the recency of their host copies), which only the tiers' own work and
             # the registrations below read (``BlockManager.take``, ``KVTiers.spill_first``)
             evicted = self.blocks.take(seq.block_table, covered)
             rest = self.tiers.spill_first(evicted)
+            turn_trace.stamp(seq.request_id, "evicted")
             got = 0
             try:
                 if plan.host_now:
                     end = on_gpu + plan.host_now
                     got = self.tiers.restore_host(seq.block_names[on_gpu:end], self._packed(seq, on_gpu, end),
                                                   seq.block_table[on_gpu:end])
+                    turn_trace.stamp(seq.request_id, "restore")  # (its copy launched)
             finally:
                 rest()
                 self.blocks.forget(evicted)

@@ -7,12 +7,15 @@ when it finishes without one. Each stamp costs a dict lookup and a list append; 
 test.
 
 Points, in order: ``handler`` (the route is entered), ``prompt`` (its ids are ready), ``submit``
-(``Engine.submit`` made the sequence), ``drained`` (the engine thread took it from the inbox),
-``scheduled`` (its first batch is scheduled), ``step`` (the runner is called), ``staged`` and
-``replayed`` (a prefill graph's inputs written, its replay call returned), ``announced`` (a streamed
-request's empty first output, ``Engine.submit``'s ``announce``), ``token`` (the step's tokens are on the
-host), ``emit`` (its first token handed to the server), ``first_out`` (the server's stream has it),
-``sent`` (the event with the first token was written to the socket).
+(``Engine.submit`` made the sequence), ``drained`` (the engine thread took it from the inbox), ``admit`` (the
+scheduler first tries to place it); for a history below the GPU ``located`` (its blocks found in host RAM or
+on disk), ``planned`` (the restore planner has chosen), ``evicted`` (the pages it takes are free to overwrite)
+and ``restore`` (its copy from host RAM is launched); ``scheduled`` (its first batch is scheduled), ``step``
+(the runner is called), ``staged`` and ``replayed`` (a prefill graph's inputs written, its replay call
+returned), ``announced`` (a streamed request's empty first output, ``Engine.submit``'s ``announce``),
+``token`` (the step's tokens are on the host), ``emit`` (its first token handed to the server),
+``first_out`` (the server's stream has it), ``sent`` (the event with the first token was written to the
+socket).
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ _current: list[str] = []  # the request ids of the step the engine is running (s
 _lock = threading.Lock()
 
 
-ORDER = ("handler", "prompt", "submit", "drained", "scheduled", "step", "staged", "replayed", "announced", "token",
-         "emit", "first_out", "sent")
+ORDER = ("handler", "prompt", "submit", "drained", "admit", "located", "planned", "evicted", "restore", "scheduled",
+         "step", "staged", "replayed", "announced", "token", "emit", "first_out", "sent")
 ENTRIES = ("handler", "submit")  # the points that open a record; the others only add to an open one
 MAX_OPEN = 4096  # records never written (a request that failed before its first token): the oldest go
 

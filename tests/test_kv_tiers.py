@@ -91,7 +91,11 @@ def expected(engine):
         engine.scheduler.prefix_caching = True
 
 
-def test_pages_pushed_off_the_gpu_come_back_from_host_ram(engine, expected):
+def test_pages_pushed_off_the_gpu_come_back_from_host_ram(engine, expected, tmp_path, monkeypatch):
+    import json
+
+    from qml_runtime import turn_trace
+
     eng = sibling(engine, num_blocks=10, host_bytes=64 * 2**20)  # 160 tokens of GPU pages
     try:
         ids2, cacheable = turns(eng)
@@ -99,11 +103,18 @@ def test_pages_pushed_off_the_gpu_come_back_from_host_ram(engine, expected):
                   "How do birds fly?"):
             eng.generate_sync(eng.tokenizer.apply_chat_template([{"role": "user", "content": q}]), GREEDY)
         assert eng.tiers.stats.spilled_host + eng.tiers.stats.kept_host > 0
+        trace = tmp_path / "trace.jsonl"  # (QML_TURN_TRACE) the restore's points, between drained and scheduled
+        monkeypatch.setattr(turn_trace, "PATH", str(trace))
+        monkeypatch.setattr(turn_trace, "ENABLED", True)
         out = eng.generate_sync(ids2, GREEDY)
         assert eng.tiers.stats.restored_host > 0 and out.cached_tokens == cacheable >= 32
         assert out.token_ids == expected
     finally:
         eng.shutdown()
+    (record,) = [json.loads(line) for line in trace.read_text().splitlines()]
+    points = ["submit", "drained", "admit", "located", "planned", "evicted", "restore", "scheduled", "step", "token", "emit"]
+    assert [p for p in turn_trace.ORDER if p in record] == points
+    assert [record[p] for p in points] == sorted(record[p] for p in points)
 
 
 def test_a_conversation_survives_a_restart_on_disk(engine, expected, tmp_path):
@@ -186,16 +197,29 @@ def test_files_written_at_the_end_of_a_request_name_their_parent(engine, tmp_pat
     assert bytes(32) in parents and parents - {bytes(32)} <= names  # a chain: the first page has none
 
 
-def test_a_writer_too_far_behind_skips_write_through_and_serving_goes_on(engine, tmp_path, monkeypatch):
+def test_a_writer_too_far_behind_skips_write_through_and_serving_goes_on(engine, tmp_path, monkeypatch, caplog):
     from qml_runtime.kv import tiers as tiers_module
 
     monkeypatch.setattr(tiers_module, "MAX_PENDING_WRITE_BYTES", 0)  # always "behind"
     eng = sibling(engine, num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30)
     try:
-        ids2, _ = turns(eng)
-        out = eng.generate_sync(ids2, GREEDY)
+        with caplog.at_level("WARNING", logger="qml.kv.tiers"):
+            ids2, _ = turns(eng)
+            eng.flush_kv()  # (a request's pages go to the tiers after its output: on the engine thread)
+            skipped_first = eng.tiers.stats.persist_skipped
+            out = eng.generate_sync(ids2, GREEDY)
+            eng.flush_kv()
         assert out.finish_reason in ("stop", "length")
-        assert eng.tiers.stats.persist_skipped > 0 and eng.tiers.stats.written_disk == 0
+        assert eng.tiers.stats.persist_skipped > skipped_first > 0 and eng.tiers.stats.written_disk == 0
+        # said once, with the count, not at each request's end (a served run logged it 1,092 times in 40 s)
+        behind = [r.getMessage() for r in caplog.records if "disk writer behind" in r.getMessage()]
+        assert len(behind) == 1 and f": {skipped_first} pages not written through" in behind[0]
+        monkeypatch.setattr(tiers_module, "BEHIND_WARN_INTERVAL_S", 0.0)  # the interval over: the pages since then
+        with caplog.at_level("WARNING", logger="qml.kv.tiers"):
+            eng.generate_sync(ids2, GREEDY)
+            eng.flush_kv()
+        behind = [r.getMessage() for r in caplog.records if "disk writer behind" in r.getMessage()]
+        assert len(behind) == 2 and "in the last" in behind[1]
     finally:
         eng.shutdown()
     assert not list(tmp_path.rglob("*.kvb"))

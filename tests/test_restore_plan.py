@@ -417,7 +417,8 @@ def long_turn(engine):
     engine.scheduler.prefix_caching = False
     try:
         answer = engine.generate_sync(ids1, GREEDY)
-        second = LONG_FIRST + [{"role": "assistant", "content": answer.text}, {"role": "user", "content": "And the sun?"}]
+        second = LONG_FIRST + [{"role": "assistant", "content": answer.text},
+                               {"role": "user", "content": "And the sun?"}]
         ids2 = tok.apply_chat_template(second)
         return ids1, ids2, engine.generate_sync(ids2, GREEDY).token_ids
     finally:
@@ -450,3 +451,36 @@ def test_a_host_history_split_gives_the_same_tokens(engine, long_turn):
         assert out.token_ids == tokens
     finally:
         eng.shutdown()
+
+
+def test_a_landed_restore_teaches_the_host_rate_before_the_next_plan(tmp_path):
+    """On a GPU a restore's copy is timed by events and folded into the host rate once it has landed: by the next
+    plan at the latest, whatever else the tiers did (a served H100 run planned every restore at the 20 GB/s guess:
+    only a gather for a spill asked the events, and kept pages go down in place there)."""
+    import torch
+
+    from qml_runtime.kv.cache import KVCache
+    from qml_runtime.kv.host_tier import HostTier
+    from qml_runtime.kv.tiers import KVTiers
+    from qml_runtime.presets import PRESETS
+
+    kv = KVCache(PRESETS["tiny-llama"].config, 8, 4, "cpu", torch.float32)
+    tiers = KVTiers(kv, HostTier(kv.block_bytes, 8 * kv.block_bytes, pin=False), None)
+    guess = tiers.planner.host_bytes_per_s
+
+    class Landed:  # a CUDA event pair's surface: the copy took 2 ms
+        def __init__(self, done: bool):
+            self.done = done
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end) -> float:
+            return 2.0
+
+    nbytes = 100 * 10**6  # 100 MB in 2 ms: 50 GB/s
+    tiers._timing = [(Landed(True), Landed(True), nbytes), (Landed(False), Landed(False), nbytes)]
+    plan = tiers.plan(["host"] * 4, 4)
+    assert plan.kind == "restore"
+    assert tiers.planner.host_bytes_per_s == pytest.approx(50e9) != guess  # a first measurement replaces the guess
+    assert len(tiers._timing) == 1  # the one still copying waits for a later plan

@@ -33,8 +33,8 @@ def test_a_streamed_chat_request_writes_its_points_in_order(tmp_path, monkeypatc
     assert records[0]["id"].startswith("chatcmpl-") and records[0]["id"] != records[1]["id"]
     # the points a CPU engine passes (no prefill graph: no staged/replayed), each once, in the order they happen
     # (a streamed request's response starts once its first step runs: "announced", before its token)
-    order = ["handler", "prompt", "submit", "drained", "scheduled", "step", "announced", "token", "emit", "first_out",
-             "sent"]
+    order = ["handler", "prompt", "submit", "drained", "admit", "scheduled", "step", "announced", "token", "emit",
+             "first_out", "sent"]
     for rec in records[:2]:
         assert [p for p in order if p in rec] == order
         assert [rec[p] for p in order] == sorted(rec[p] for p in order)

@@ -148,6 +148,9 @@ class HostRestores:
         return where
 
     def plan(self, tiers: Sequence[str], block_tokens: int, start: int = 0, after: int = 0) -> Plan:
+        # the restores that have landed since teach the host rate first (on a GPU nothing else asked them once
+        # the pages went down in place: a served H100 run planned every restore at the 20 GB/s guess)
+        self._observe_uploads()
         plan = self.planner.plan(tiers, self.block_bytes, block_tokens, start, after)
         self.stats.plans[plan.kind] += 1
         if plan.recompute:
