@@ -61,6 +61,9 @@ served_trace() {  # $1: the directory; the rest: server_h200.py's arguments
   mkdir -p "$dir"
   QML_TURN_TRACE=$dir/trace.jsonl python3 benchmarks/server_h200.py sessions --out "$dir" "$@"
   python3 benchmarks/turn_trace_report.py "$dir/trace.jsonl" --json "$dir/trace-report.json" | tail -3
+  # the host-RAM turns (a first step of 30-200 ms: the copy): where the time before their copy goes
+  python3 benchmarks/turn_trace_report.py "$dir/trace.jsonl" --min-step-ms 30 --max-step-ms 200 \
+    --json "$dir/trace-report-host.json" | tail -1
   gzip -f "$dir/trace.jsonl"
 }
 

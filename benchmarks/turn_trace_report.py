@@ -3,6 +3,7 @@ between consecutive points, grouped by how long the first step ran on the device
 
     QML_TURN_TRACE=/tmp/trace.jsonl python benchmarks/server_h200.py sessions --out DIR
     python benchmarks/turn_trace_report.py /tmp/trace.jsonl [--max-step-ms 30] [--json OUT]
+    python benchmarks/turn_trace_report.py /tmp/trace.jsonl --min-step-ms 30 --max-step-ms 200   # host-RAM turns
     python benchmarks/turn_trace_report.py DIR/tree-1/trace.jsonl.gz DIR/tree-2/... DIR/ab-1/... DIR/ab-2/...
 
 One file: one row per request whose first step took less than ``--max-step-ms`` (the GPU-history turns; a
@@ -21,22 +22,31 @@ import re
 import statistics
 from pathlib import Path
 
-from qml_runtime.turn_trace import gaps
+from qml_runtime.turn_trace import ORDER, gaps
 
 
-def turn_rows(path: Path, max_step_ms: float) -> list[dict[str, float]]:
-    """The spans (``turn_trace.gaps``) of the requests in ``path`` whose first step took under ``max_step_ms``."""
+def turn_rows(path: Path, max_step_ms: float, min_step_ms: float = 0.0) -> list[dict[str, float]]:
+    """The spans (``turn_trace.gaps``) of the requests in ``path`` whose first step took from ``min_step_ms`` to
+    under ``max_step_ms``."""
     text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     rows = []
     for line in text.splitlines():
         rec = json.loads(line)
-        if "step" in rec and "token" in rec and (rec["token"] - rec["step"]) * 1e3 < max_step_ms:
+        if "step" in rec and "token" in rec and min_step_ms <= (rec["token"] - rec["step"]) * 1e3 < max_step_ms:
             rows.append(gaps(rec))
     return rows
 
 
 def medians(rows: list[dict[str, float]], keys: list[str]) -> dict[str, float]:
     return {k: round(statistics.median(v), 3) for k in keys if (v := [r[k] for r in rows if k in r])}
+
+
+def span_order(key: str) -> tuple[int, int]:
+    """A column's place: spans by their points' order along a request (``turn_trace.ORDER``), ``total`` last."""
+    if "->" not in key:
+        return (len(ORDER), 0)
+    a, b = key.split("->")
+    return (ORDER.index(a), ORDER.index(b))
 
 
 def side_of(path: Path) -> str:
@@ -47,14 +57,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("traces", type=Path, nargs="+")
     p.add_argument("--max-step-ms", type=float, default=30.0)
+    p.add_argument("--min-step-ms", type=float, default=0.0,
+                   help="with --max-step-ms, another kind of turn: 30 to 200 ms, a history restored from host RAM")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    by_file = {path: turn_rows(path, args.max_step_ms) for path in args.traces}
+    by_file = {path: turn_rows(path, args.max_step_ms, args.min_step_ms) for path in args.traces}
     rows = [r for rs in by_file.values() for r in rs]
     if not rows:
-        print("no request with a first step under", args.max_step_ms, "ms")
+        print("no request with a first step from", args.min_step_ms, "to under", args.max_step_ms, "ms")
         return 1
-    keys = list(dict.fromkeys(k for r in rows for k in r))
+    keys = sorted(dict.fromkeys(k for r in rows for k in r), key=span_order)
     print(f"{'':>14s} " + " ".join(f"{k:>18s}" for k in keys))
     if len(args.traces) == 1:
         for r in rows:

@@ -89,3 +89,14 @@ def test_the_report_compares_the_sides_of_an_ab(tmp_path, capsys):
     assert report["sides"]["tree"]["step->token"] == 11.0  # the 400 ms turns are not GPU-history turns
     printed = capsys.readouterr().out
     assert "(pooled)" in printed and "-0.300" in printed
+    # the other kind of turn (a history restored from host RAM: a longer first step), columns in the points' order
+    old, sys.argv = sys.argv, ["turn_trace_report.py", files[0], "--min-step-ms", "300", "--max-step-ms", "500",
+                               "--json", str(out)]
+    try:
+        assert turn_trace_report.main() == 0
+    finally:
+        sys.argv = old
+    report = json.loads(out.read_text())
+    assert len(report["rows"]) == 1 and report["medians"]["step->token"] == 400.0
+    assert list(report["medians"]) == ["handler->submit", "submit->drained", "drained->step", "step->token",
+                                       "token->sent", "total"]
