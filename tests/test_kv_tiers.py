@@ -112,7 +112,8 @@ def test_pages_pushed_off_the_gpu_come_back_from_host_ram(engine, expected, tmp_
     finally:
         eng.shutdown()
     (record,) = [json.loads(line) for line in trace.read_text().splitlines()]
-    points = ["submit", "drained", "admit", "located", "planned", "evicted", "restore", "scheduled", "step", "token", "emit"]
+    points = ["submit", "drained", "admit", "located", "planned", "evicted", "restore", "scheduled", "step", "token",
+              "emit"]
     assert [p for p in turn_trace.ORDER if p in record] == points
     assert [record[p] for p in points] == sorted(record[p] for p in points)
 

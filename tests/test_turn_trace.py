@@ -53,7 +53,7 @@ def test_disabled_it_records_nothing(monkeypatch):
     assert "x" not in turn_trace._records
 
 
-def test_the_report_compares_the_sides_of_an_ab(tmp_path, capsys):
+def test_the_report_compares_the_sides_of_an_ab(tmp_path, capsys, monkeypatch):
     """``benchmarks/turn_trace_report.py`` over an A/B's files (``gpu_session.sh build-ab``): each file's medians,
     each side's pooled over its runs (``tree-1``, ``tree-2`` -> ``tree``), and the difference from the first side;
     turns whose first step ran longer than ``--max-step-ms`` left out, gzipped files read as they are."""
@@ -79,24 +79,19 @@ def test_the_report_compares_the_sides_of_an_ab(tmp_path, capsys):
         path.write_bytes(gzip.compress(lines.encode()) if path.suffix == ".gz" else lines.encode())
         files.append(str(path))
     out = tmp_path / "report.json"
-    old, sys.argv = sys.argv, ["turn_trace_report.py", *files, "--json", str(out)]
-    try:
+
+    def run(*args: str) -> dict:
+        monkeypatch.setattr(sys, "argv", ["turn_trace_report.py", *args, "--json", str(out)])
         assert turn_trace_report.main() == 0
-    finally:
-        sys.argv = old
-    report = json.loads(out.read_text())
+        return json.loads(out.read_text())
+
+    report = run(*files)
     assert report["sides"]["tree"]["submit->drained"] == 0.4 and report["sides"]["ab"]["submit->drained"] == 0.1
     assert report["sides"]["tree"]["step->token"] == 11.0  # the 400 ms turns are not GPU-history turns
     printed = capsys.readouterr().out
     assert "(pooled)" in printed and "-0.300" in printed
     # the other kind of turn (a history restored from host RAM: a longer first step), columns in the points' order
-    old, sys.argv = sys.argv, ["turn_trace_report.py", files[0], "--min-step-ms", "300", "--max-step-ms", "500",
-                               "--json", str(out)]
-    try:
-        assert turn_trace_report.main() == 0
-    finally:
-        sys.argv = old
-    report = json.loads(out.read_text())
+    report = run(files[0], "--min-step-ms", "300", "--max-step-ms", "500")
     assert len(report["rows"]) == 1 and report["medians"]["step->token"] == 400.0
     assert list(report["medians"]) == ["handler->submit", "submit->drained", "drained->step", "step->token",
                                        "token->sent", "total"]
