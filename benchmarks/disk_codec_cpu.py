@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from qml_runtime.kv.disk_store import _byte_view, _decode_into, _encode
+from qml_runtime.kv.block_file import _decode_into, _encode
+from qml_runtime.kv.disk_store import _byte_view
 
 PAGE = 2 << 20
 

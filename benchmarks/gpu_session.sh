@@ -10,7 +10,8 @@
 #
 # Phases (each a few minutes on an H200; a call may run for 10):
 #   served        the sessions table: GPU history, host RAM, disk after restart (server_h200.py sessions)
-#   served-trace  the same with QML_TURN_TRACE, and the trace's report (turn_trace_report.py)
+#   served-trace  the same with QML_TURN_TRACE, and the trace's report (turn_trace_report.py); DISK_ALSO="NAME=VALUE ...":
+#                 the disk turn again after another restart with each set, in order (QML_DISK_READER=threads ...)
 #   build-ab      the build's 38 GPU-history turns with the trace, twice: as the tree is, then with $AB_ENV set
 #                 (e.g. AB_ENV="QML_HANDOFF=1", AB_ENV="QML_SWITCH_INTERVAL_US=100"), alternated twice
 #   probe         the in-process launch probe of the GPU-history turn (engine_h200.py --sections gputurn)
@@ -84,7 +85,10 @@ for phase in "$@"; do
   mkdir -p "$dir"
   case $phase in
     served) python3 benchmarks/server_h200.py sessions --out "$dir" ;;
-    served-trace) served_trace "$dir" ;;
+    served-trace)
+      more=()
+      for setting in ${DISK_ALSO:-}; do more+=(--disk-also "$setting"); done
+      served_trace "$dir" "${more[@]}" ;;
     build-ab)
       : "${AB_ENV:?build-ab needs AB_ENV, e.g. QML_TURN_SPLIT=3x4+1}"
       ab_rounds "$dir" ab "$AB_ENV" ;;

@@ -40,12 +40,12 @@ PRESET = "llama-3.1-8b"
 SERVE_FLAGS: list[str] = []
 
 
-def start_server(out: Path, name: str, *flags: str) -> subprocess.Popen:
+def start_server(out: Path, name: str, *flags: str, env: dict | None = None) -> subprocess.Popen:
     log = open(out / f"server-{name}.log", "w")
     cmd = [sys.executable, "-m", "qml_server", "serve", "--model", f"preset:{PRESET}", "--random-weights",
            "--port", str(PORT), *SERVE_FLAGS, *flags]
     print("$", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=None if env is None else {**os.environ, **env})
     t0 = time.time()
     while time.time() - t0 < 300:
         if proc.poll() is not None:
@@ -104,7 +104,8 @@ def run_serve(out: Path, prompt_tokens: str, concurrency: int, repeats: int = 3,
 
 
 def run_sessions(out: Path, users: int, turns: int, turn_tokens: int, tier_flags: str, evict_tokens: int,
-                 first_turn_tokens: int, gpu_orders: tuple[str, ...] = ("round",), build_only: bool = False) -> int:
+                 first_turn_tokens: int, gpu_orders: tuple[str, ...] = ("round",), build_only: bool = False,
+                 disk_also: list[str] = ()) -> int:
     store = Path("/tmp/qml-kv-store")
     shutil.rmtree(store, ignore_errors=True)
     flags = (*tier_flags.split(), "--kv-disk-dir", str(store))
@@ -140,6 +141,16 @@ def run_sessions(out: Path, users: int, turns: int, turn_tokens: int, tier_flags
         (out / "metrics-after-restart.txt").write_text(metrics)
     finally:
         stop_server(proc)
+    for k, setting in enumerate(disk_also, 2):  # the same disk turn again, after another restart with NAME=VALUE set
+        name, _, value = setting.partition("=")
+        label = f"disk{k}-{name.lower()}-{value.lower()}"
+        print(f"dropped {drop_page_cache(store)} store files from the page cache; {setting}", flush=True)
+        proc = start_server(out, f"sessions-{label}", *flags, env={name: value})
+        try:
+            rc |= bench(out, f"sessions-{label}", "sessions", "--resume", str(out / "conv-host.json"),
+                        "--turn-tokens", "133", "--fresh", "--out", str(out / f"sessions-{label}.json"))
+        finally:
+            stop_server(proc)
     return rc
 
 
@@ -169,6 +180,8 @@ def main() -> int:
     parser.add_argument("--serve-flags", default="", help="more `qml serve` flags, space-separated")
     parser.add_argument("--build-only", action="store_true",
                         help="sessions: only the conversations' build (38 GPU-history turns at the defaults)")
+    parser.add_argument("--disk-also", action="append", default=[], metavar="NAME=VALUE",
+                        help="sessions: the disk turn again after one more restart with this variable set (repeatable)")
     args = parser.parse_args()
     globals()["PRESET"] = args.preset
     SERVE_FLAGS.extend(args.serve_flags.split())
@@ -177,7 +190,7 @@ def main() -> int:
     rc = run_serve(args.out, args.prompt_tokens, args.concurrency, args.repeats,
                    args.length_step) if args.mode == "serve" else run_sessions(
         args.out, args.users, args.turns, args.turn_tokens, args.tier_flags, args.evict_tokens,
-        args.first_turn_tokens, tuple(args.gpu_orders.split(",")), args.build_only)
+        args.first_turn_tokens, tuple(args.gpu_orders.split(",")), args.build_only, args.disk_also)
     print(json.dumps({"mode": args.mode, "rc": rc, "seconds": round(time.time() - t0, 1)}), flush=True)
     return rc
 

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from qml_runtime.kv import disk_store
-from qml_runtime.kv.disk_store import ALIGN, HEADER_SIZE, DiskStore, StoreBusy, payload_offset
+from qml_runtime.kv.block_file import ALIGN, HEADER_SIZE, payload_offset
+from qml_runtime.kv.disk_store import DiskStore, StoreBusy
 
 FP = hashlib.sha256(b"test-model/bf16/S16/L2/Hkv2/Dh8").digest()
 PAYLOAD = 3000  # bytes; small, so that files are 4096 + 3000

@@ -15,7 +15,8 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from qml_runtime.kv import disk_store
-from qml_runtime.kv.disk_store import HEADER_SIZE, DiskStore, payload_offset
+from qml_runtime.kv.block_file import HEADER_SIZE, payload_offset
+from qml_runtime.kv.disk_store import DiskStore
 from tests.test_disk_store import FP, StoreMachine, key, no_fsync, payload, tokens  # noqa: F401  (no_fsync: a fixture)
 
 

@@ -22,18 +22,42 @@ concern, the copies between the GPU pages and the tiers below.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import os
+import sys
+import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from qml_runtime.kv.disk_reader import DiskReader
 from qml_runtime.kv.host_tier import slot_runs
 from qml_runtime.kv.prefix import unpack
+
+log = logging.getLogger("qml.kv.tiers")
 
 # parallel block reads: the H200 host's disk gave encoded blocks back at 1.94 GB/s of KV with 4 threads,
 # 2.22 with 8, 2.17 with 16 (benchmarks/disk_read_h200.py --store)
 LOADER_THREADS = 8
+# where a load's disk blocks are read: "process" (``kv.disk_reader``: a child process reads them into the host
+# tier's shared rows, off this process's GIL), or "threads" (loader threads here, as with no host tier)
+READER = os.environ.get("QML_DISK_READER", "process")
+
+
+@dataclass
+class _Landing:
+    """The results of one load's reads in the reader process, as they come (on its listener thread)."""
+
+    left: int
+    ok: dict = field(default_factory=dict)
+    first: float = float("inf")
+    last: float = 0.0
+    kv_bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -60,6 +84,11 @@ class PendingLoad:
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
+
+
+def _file_tokens(packed: bytes) -> bytes:
+    """Packed tokens (native uint32) as the block files store them (little-endian)."""
+    return packed if sys.byteorder == "little" else np.frombuffer(packed, np.uint32).astype("<u4").tobytes()
 
 
 class DiskLoads:
@@ -93,6 +122,12 @@ class DiskLoads:
             else:
                 dest[i] = torch.empty(self.row_bytes, dtype=torch.uint8)
             reads.append(i)
+        reader = self._disk_reader() if reads and all(isinstance(dest[i], int) for i in reads) else None
+        if reader is not None:
+            done: Future = Future()
+            load = PendingLoad(start, end, pages, names, tokens, tiers, dest, [done], time.perf_counter())
+            self._read_in_child(reader, load, reads, done)
+            return load
         futures = []
         share = -(-len(reads) // LOADER_THREADS) if reads else 0
         parts = -(-len(reads) // share) if reads else 0
@@ -105,6 +140,55 @@ class DiskLoads:
             done.set_result({})
             futures = [done]
         return PendingLoad(start, end, pages, names, tokens, tiers, dest, futures, time.perf_counter())
+
+    def _disk_reader(self) -> DiskReader | None:
+        """The reader process (started with the tiers, or here), None: read on threads (asked for, no shared host
+        rows, or the process failed)."""
+        if self._reader is None and READER == "process" and self.host is not None and self.host.fd is not None:
+            try:
+                self._reader = DiskReader(self.host.fd, self.host.capacity * self.host.block_bytes,
+                                          self.disk.fingerprint, LOADER_THREADS)
+            except OSError as exc:
+                log.warning("disk reader process could not start (%s): reading on threads", exc)
+                self._reader = False
+        return self._reader if self._reader and self._reader.alive else None
+
+    def _read_in_child(self, reader: DiskReader, load: PendingLoad, reads: list[int], done: Future) -> None:
+        """Send the load's disk reads to the reader process; ``done`` gets {block index: read ok} once all
+        are answered (``_landed``). Blocks the index no longer holds are misses without a read."""
+        row = self.host.block_bytes
+        sent, landing = [], _Landing(len(reads))
+        self._writer.reads_started()  # (writes wait for the reads)
+        for i in reads:
+            path = self.disk.read_path(load.names[i])
+            if path is None:
+                self._landed(load, landing, done, i, (None, "absent", 0, 0, None, 0.0, 0.0, ""))
+            else:
+                sent.append((i, (path, load.names[i], _file_tokens(load.tokens[i]), load.dest[i] * row, row)))
+        if sent:
+            reader.read([r for _, r in sent], [functools.partial(self._landed, load, landing, done, i) for i, _ in sent])
+
+    def _landed(self, load: PendingLoad, landing: _Landing, done: Future, i: int, result: tuple) -> None:
+        """One block's read ended in the reader process (its listener thread; or here, for a block not sent)."""
+        _, status, file_bytes, kv_bytes, ino, t0, t1, reason = result
+        if status == "ok":
+            self.disk.note_read(load.names[i], file_bytes, kv_bytes)
+        elif status in ("corrupt", "gone"):
+            self.disk.note_failed(load.names[i], ino, reason)
+        elif status == "error":
+            log.warning("disk reader process: block %s not read: %s", load.names[i].hex()[:16], reason)
+        with landing.lock:
+            landing.ok[i] = status == "ok"
+            if status == "ok":
+                landing.first, landing.last = min(landing.first, t0), max(landing.last, t1)
+                landing.kv_bytes += kv_bytes
+            landing.left -= 1
+            last = landing.left == 0
+        if last:
+            self._writer.reads_done()
+            if landing.kv_bytes and landing.last > landing.first:
+                self.planner.observe("disk", landing.kv_bytes, landing.last - landing.first)
+            done.set_result(dict(landing.ok))
 
     def _read_disk(self, part: list, parts: int = 1) -> dict[int, bool]:
         """Loader thread: read blocks in order into their destinations; stops at the first miss. The rate

@@ -66,7 +66,6 @@ import itertools
 import logging
 import os
 import re
-import struct
 import threading
 import time
 import zlib
@@ -77,22 +76,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import xxhash
-import zstandard
+
+from qml_runtime.kv.block_file import (ENCODABLE_SIZES, HEADER_SIZE, MAGIC, VERSION, VERSION_ENCODED, _HEADER,
+                                       _MAX_TOKENS, _Corrupt, _encode, _kv_bytes, check_header, payload_offset,
+                                       read_payload)
 
 log = logging.getLogger("qml.kv.disk")
 
-MAGIC = b"QMLKVBLK"
-VERSION = 1  # raw payload; VERSION_ENCODED: the payload as ``_encode`` writes it
-VERSION_ENCODED = 2
-_CODEC = struct.Struct("<HHIQ")  # codec, element_size, reserved, logical_size
-CODEC_HALVES_ZSTD = 1
-_HALF = {2: (np.uint16, np.uint8, 8), 4: (np.uint32, np.uint16, 16)}  # element, half, shift
-ENCODABLE_SIZES = tuple(_HALF)  # the element sizes a store can encode (``DiskStore(element_size=...)``)
 SUFFIX = ".kvb"
-ALIGN = 4096
-_HEADER = struct.Struct("<8sHHIQ32s32s32s16sI")
-HEADER_SIZE = _HEADER.size  # 140
-_MAX_TOKENS = 1 << 16  # blocks hold tens of tokens; a larger count means a damaged header
 _NAME = re.compile(r"[0-9a-f]{64}" + re.escape(SUFFIX))
 _TEMP = re.compile(r"\.[0-9a-f]{64}\.\d+-\d+\.tmp")
 _LOCK_NAME = ".lock"
@@ -109,14 +100,6 @@ class StoreBusy(RuntimeError):
     """Another DiskStore, in this process or another, owns the directory."""
 
 
-class _Corrupt(Exception):
-    """A file to delete and serve as a miss; the message says why."""
-
-
-def payload_offset(token_count: int) -> int:
-    return -(-(HEADER_SIZE + 4 * token_count) // ALIGN) * ALIGN
-
-
 def _byte_view(data: Bytes) -> memoryview:
     """A flat byte view of ``data``, without copying."""
     if isinstance(data, torch.Tensor):
@@ -130,7 +113,12 @@ def _encode_tokens(tokens: Sequence[int]) -> bytes:
     arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
     if len(arr) > _MAX_TOKENS or (arr.size and (arr.min() < 0 or arr.max() >= 1 << 32)):
         raise ValueError("token ids must fit in uint32, at most 65536 per block")
-    return arr.astype("<u4").tobytes()
+    return arr.astype("<u4").tobytes()  # (the files' byte order on any machine)
+
+
+def _new_buffer(n: int) -> tuple[torch.Tensor, memoryview]:
+    buf = torch.empty(n, dtype=torch.uint8)
+    return buf, _byte_view(buf)
 
 
 def _check_key(name: str, key: bytes) -> None:
@@ -153,74 +141,6 @@ def _write_all(fd: int, data: memoryview | bytearray) -> None:
     view, done = memoryview(data), 0
     while done < len(view):
         done += os.write(fd, view[done:])
-
-
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise _Corrupt("file shorter than its header says")
-        done += n
-
-
-def _kv_bytes(raw: bytes | bytearray) -> int:
-    """The KV bytes a whole file read unchecked stands for: its decoded size (version 2), else its size."""
-    if len(raw) >= HEADER_SIZE and raw[:8] == MAGIC:
-        _, version, _, n, *_ = _HEADER.unpack_from(raw)
-        off = payload_offset(n)
-        if version == VERSION_ENCODED and len(raw) >= off + _CODEC.size:
-            return _CODEC.unpack_from(raw, off)[3]
-    return len(raw)
-
-
-_zstd = threading.local()  # (compressor, decompressor) per thread: zstd contexts are not thread-safe
-
-
-def _contexts() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
-    if not hasattr(_zstd, "pair"):
-        # the high halves repeat no long strings: a tiny match search (hash_log 6, min_match 7) leaves
-        # zstd's entropy coder doing the work, ~3x faster than level 1 and a slightly better ratio
-        params = zstandard.ZstdCompressionParameters.from_level(1, min_match=7, hash_log=6, chain_log=6,
-                                                                search_log=1)
-        _zstd.pair = zstandard.ZstdCompressor(compression_params=params), zstandard.ZstdDecompressor()
-    return _zstd.pair
-
-
-def _encode(data: memoryview, element_size: int) -> list | None:
-    """Version 2's payload for ``data`` as the parts to write ([codec header, low halves, frame]), or
-    None when it would not be smaller than the raw bytes."""
-    whole, half, shift = _HALF[element_size]
-    if data.nbytes % element_size:
-        return None
-    x = np.frombuffer(data, dtype=whole)
-    low = (x & ((1 << shift) - 1)).astype(half)
-    frame = _contexts()[0].compress((x >> shift).astype(half).data)
-    if _CODEC.size + low.nbytes + len(frame) >= data.nbytes:
-        return None
-    return [_CODEC.pack(CODEC_HALVES_ZSTD, element_size, 0, data.nbytes), low.data, frame]
-
-
-def _decode_into(payload: memoryview, out: memoryview) -> None:
-    """Version 2's payload into ``out`` (its logical size); raises _Corrupt on anything inconsistent
-    (the checksum has passed, so only a writer's bug or a forged file gets here)."""
-    if payload.nbytes < _CODEC.size:
-        raise _Corrupt("encoded payload shorter than its codec header")
-    codec, element_size, _, logical = _CODEC.unpack_from(payload)
-    if codec != CODEC_HALVES_ZSTD or element_size not in _HALF or logical != out.nbytes or logical % element_size:
-        raise _Corrupt(f"codec {codec}, element size {element_size}, {logical} bytes: not decodable here")
-    whole, half, shift = _HALF[element_size]
-    n_low = logical // 2
-    low = np.frombuffer(payload, dtype=half, count=logical // element_size, offset=_CODEC.size)
-    try:
-        high = _contexts()[1].decompress(payload[_CODEC.size + n_low:], max_output_size=n_low)
-    except zstandard.ZstdError as e:
-        raise _Corrupt(f"zstd: {e}") from None
-    if len(high) != n_low:
-        raise _Corrupt(f"high halves decode to {len(high)} bytes, expected {n_low}")
-    x = np.frombuffer(out, dtype=whole)
-    np.left_shift(np.frombuffer(high, dtype=half), shift, out=x, dtype=whole)
-    np.bitwise_or(x, low, out=x)
 
 
 class DiskStore:
@@ -321,6 +241,33 @@ class DiskStore:
         are undefined: a damaged file may be partly read into it before the checksum fails.
         """
         return self._read(block_hash, tokens, out) is not None
+
+    def read_path(self, block_hash: bytes) -> str | None:
+        """The file to read ``block_hash`` from elsewhere (the disk reader's process), or None (a miss,
+        counted) when the index does not hold it. That read's outcome comes back by ``note_read`` or
+        ``note_failed``."""
+        with self._lock:
+            if block_hash in self._index:
+                return str(self._path(block_hash))
+            self._stats["misses"] += 1
+        return None
+
+    def note_read(self, block_hash: bytes, file_bytes: int, kv_bytes: int) -> None:
+        """A read elsewhere found ``block_hash`` whole: its recency and the statistics, as ``get_into``'s own."""
+        with self._lock:
+            stamp = self._stamp()
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+            self._stats["hits"] += 1
+            self._stats["bytes_read"] += file_bytes
+            self._stats["kv_bytes_read"] += kv_bytes
+        self._touch(self._path(block_hash), stamp)
+
+    def note_failed(self, block_hash: bytes, ino: int | None, reason: str) -> None:
+        """A read elsewhere found the file of ``block_hash`` (inode ``ino``; None: it could not be opened)
+        damaged: deleted, a miss, as ``get_into``'s own. (That file's descriptor is closed by now: a fresh
+        copy renamed in meanwhile whose inode took the same number would go too, which is a later miss.)"""
+        self._discard(block_hash, ino, reason)
 
     def contains(self, block_hash: bytes) -> bool:
         """From the in-memory index, without disk IO; a later read may still miss."""
@@ -426,28 +373,13 @@ class DiskStore:
         finally:
             os.close(fd)
 
-    def _check_header(self, raw: bytes, block_hash: bytes, file_size: int) -> tuple[int, int, bytes, int]:
-        """(token_count, payload_size, checksum, version) of a valid header; raises _Corrupt otherwise."""
-        if len(raw) < HEADER_SIZE:
-            raise _Corrupt("truncated header")
-        magic, version, hsize, n, psize, fp, bh, _parent, checksum, crc = _HEADER.unpack_from(raw)
-        if magic != MAGIC:
-            raise _Corrupt("bad magic")
-        if version not in (VERSION, VERSION_ENCODED) or hsize != HEADER_SIZE:
-            raise _Corrupt(f"format version {version}, this build reads {VERSION} and {VERSION_ENCODED}")
-        if zlib.crc32(raw[:HEADER_SIZE - 4]) != crc:
-            raise _Corrupt("header CRC mismatch")
-        if fp != self.fingerprint:
-            raise _Corrupt("model fingerprint mismatch")
-        if bh != block_hash:
-            raise _Corrupt("block hash differs from the file name")
-        if n > _MAX_TOKENS or payload_offset(n) + psize != file_size:
-            raise _Corrupt(f"file is {file_size} bytes, its header says {payload_offset(n) + psize}")
-        return n, psize, checksum, version
-
     def _read(self, block_hash: bytes, tokens: Sequence[int], out: torch.Tensor | None) -> torch.Tensor | None:
+        try:
+            tok = _encode_tokens(tokens)
+        except ValueError:  # ids no block can hold: no file is theirs
+            tok = None
         with self._lock:
-            if block_hash not in self._index:
+            if tok is None or block_hash not in self._index:
                 self._stats["misses"] += 1
                 return None
         try:
@@ -458,38 +390,8 @@ class DiskStore:
         try:  # fd stays open until _discard has compared inodes, so the inode cannot be reused
             st = os.fstat(fd)
             try:
-                prefix = os.pread(fd, ALIGN, 0)  # header and tokens in one read, up to 988 tokens
-                n, psize, checksum, version = self._check_header(prefix, block_hash, st.st_size)
-                off = payload_offset(n)
-                if off > len(prefix):
-                    prefix = os.pread(fd, off, 0)
-                if len(prefix) != off:
-                    raise _Corrupt("file shrank while being read")
-                if np.frombuffer(prefix, "<u4", n, HEADER_SIZE).tolist() != [int(t) for t in tokens]:
-                    raise _Corrupt("stored tokens differ from the request's (hash collision or stale key)")
-                encoded = None
-                if version == VERSION:
-                    buf = torch.empty(psize, dtype=torch.uint8) if out is None else out
-                    view = _byte_view(buf)
-                    if view.nbytes != psize:  # the header is valid, so the caller's buffer is wrong
-                        raise ValueError(f"out has {view.nbytes} bytes, the block's payload {psize}")
-                    _pread_into(fd, view, off)
-                else:
-                    encoded = memoryview(bytearray(psize))
-                    _pread_into(fd, encoded, off)
-                h = xxhash.xxh3_128(prefix[HEADER_SIZE:])
-                h.update(view if encoded is None else encoded)
-                if h.digest() != checksum:
-                    raise _Corrupt("payload checksum mismatch")
-                if encoded is not None:
-                    logical = _CODEC.unpack_from(encoded)[3] if psize >= _CODEC.size else -1
-                    if not 0 <= logical <= 2 * (psize - _CODEC.size):  # the low halves alone are half of it
-                        raise _Corrupt(f"codec header says {logical} bytes of KV in a {psize}-byte payload")
-                    buf = torch.empty(logical, dtype=torch.uint8) if out is None else out
-                    view = _byte_view(buf)
-                    if view.nbytes != logical:
-                        raise ValueError(f"out has {view.nbytes} bytes, the block's KV {logical}")
-                    _decode_into(encoded, view)
+                buf, view, read = read_payload(fd, st.st_size, self.fingerprint, block_hash, tok,
+                                               None if out is None else _byte_view(out), _new_buffer)
             except (_Corrupt, OSError) as e:
                 self._discard(block_hash, st.st_ino, str(e))
                 return None
@@ -498,7 +400,7 @@ class DiskStore:
                 if block_hash in self._index:
                     self._index.move_to_end(block_hash)
                 self._stats["hits"] += 1
-                self._stats["bytes_read"] += off + psize
+                self._stats["bytes_read"] += read
                 self._stats["kv_bytes_read"] += view.nbytes
             self._touch(fd, stamp)
             return buf
@@ -562,7 +464,7 @@ class DiskStore:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             try:
                 st = os.fstat(fd)
-                self._check_header(os.pread(fd, HEADER_SIZE, 0), key, st.st_size)  # (not the codec's)
+                check_header(os.pread(fd, HEADER_SIZE, 0), self.fingerprint, key, st.st_size)  # (not the codec's)
             finally:
                 os.close(fd)
         except (_Corrupt, OSError) as e:

@@ -59,6 +59,11 @@ def cudart() -> ctypes.CDLL:
     lib.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                                       ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.cudaMemcpy2DAsync.restype = ctypes.c_int
+    lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cudaHostRegister.restype = ctypes.c_int
+    lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+    lib.cudaHostUnregister.restype = ctypes.c_int
+    lib.cudaGetLastError.restype = ctypes.c_int
     _runtime = lib
     return lib
 
@@ -71,3 +76,25 @@ def copy_2d_to_device(dst: int, dst_pitch: int, src: int, src_pitch: int, width:
                                      ctypes.c_void_p(stream.cuda_stream))
     if err:
         raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
+
+
+_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+def host_register(ptr: int, size: int) -> None:
+    """Page-lock ``size`` bytes of host memory at ``ptr`` (allocated elsewhere: a memfd's mapping) for every
+    device, mapped into the device's address space, as ``pin_memory`` allocations are."""
+    err = cudart().cudaHostRegister(ptr, size, _REGISTER_PORTABLE_MAPPED)
+    if err:
+        # the runtime keeps a failed call's error for the next cudaGetLastError: torch's check after its next
+        # kernel launch would raise it there (712, a range registered already, failed five GPU tests so)
+        cudart().cudaGetLastError()
+        raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {err}")
+
+
+def host_unregister(ptr: int) -> None:
+    """Undo ``host_register`` (its pages stay locked until then, even once unmapped, and the range cannot be
+    registered again: a later mapping at the same address could not be pinned). Errors are cleared, not
+    raised: this runs when the rows are freed."""
+    if cudart().cudaHostUnregister(ptr):
+        cudart().cudaGetLastError()

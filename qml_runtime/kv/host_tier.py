@@ -13,6 +13,10 @@ benchmarks/host_turn_cpu.py --tier host: locating them 1.0 -> 0.23 ms, restoring
 
 from __future__ import annotations
 
+import logging
+import mmap
+import os
+import weakref
 from collections import OrderedDict, deque
 from operator import itemgetter
 
@@ -21,13 +25,26 @@ import torch
 
 from qml_runtime.kv.prefix import as_packed
 
+log = logging.getLogger("qml.kv.tiers")
+
 
 class HostTier:
-    def __init__(self, block_bytes: int, budget_bytes: int, pin: bool):
+    def __init__(self, block_bytes: int, budget_bytes: int, pin: bool, shared: bool = True):
+        """``shared``: the rows live in a memfd (``fd``), which the disk reader's process maps to read blocks
+        into them (``kv.disk_reader``); pinned by registering them with CUDA. Where that fails, or with
+        ``shared`` False, they are a private (pinned) allocation and ``fd`` is None."""
         self.block_bytes = block_bytes
         self.capacity = max(0, budget_bytes // block_bytes)
+        self.fd: int | None = None
+        self.pinned = pin and self.capacity > 0
         # one allocation: slots are rows; pinning is what makes host<->GPU copies fast and async
-        self.slots = torch.empty((self.capacity, block_bytes), dtype=torch.uint8, pin_memory=pin and self.capacity > 0)
+        slots = _shared_rows(self.capacity, block_bytes, self.pinned) if shared and self.capacity > 0 else None
+        if slots is None:
+            slots = torch.empty((self.capacity, block_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+        else:
+            slots, self.fd = slots
+            weakref.finalize(self, os.close, self.fd)
+        self.slots = slots
         self._lru: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()  # name -> (slot, packed tokens)
         # reversed: pop() hands out ascending slots, so pages spilled together land in runs that
         # copy as one
@@ -122,6 +139,30 @@ class HostTier:
             self.removals += 1
             self._held.discard(entry[0])
             self._free.append(entry[0])
+
+
+def _shared_rows(capacity: int, row_bytes: int, pin: bool):
+    """(rows, memfd) of ``capacity`` rows in a memfd, registered with CUDA when ``pin``; None where that cannot
+    be done here (no memfd, no room, a failed registration). The registration ends with the mapping, once no
+    tensor holds it (after its unmapping: the driver keeps the pages until then)."""
+    size = capacity * row_bytes
+    fd = None
+    try:
+        fd = os.memfd_create("qml-kv-host", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size)
+        rows = torch.frombuffer(mapping, dtype=torch.uint8).view(capacity, row_bytes)
+        if pin:
+            from qml_runtime.kv.dma import host_register, host_unregister
+
+            host_register(rows.data_ptr(), size)
+            weakref.finalize(mapping, host_unregister, rows.data_ptr())
+        return rows, fd
+    except (AttributeError, OSError, RuntimeError, ValueError) as exc:
+        log.warning("host KV tier: shared rows unavailable (%s); a private allocation, read from disk on threads", exc)
+        if fd is not None:
+            os.close(fd)
+        return None
 
 
 def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:

@@ -115,7 +115,7 @@ class KVTiers(HostRestores, DiskLoads):  # (restores from host RAM, loads from d
         self._reads: list[tuple[set, object]] = []
         self.layered = True  # host-tier restores by layer, read in place (False: through staging)
         # the device can read the host tier's rows in place (pinned, on a GPU): _upload_layers
-        self._in_place = self._cuda and host is not None and host.capacity > 0 and host.slots.is_pinned()
+        self._in_place = self._cuda and host is not None and host.capacity > 0 and host.pinned
         # kept pages go down by page_save into the pinned rows (``_save_in_place``), else gathered
         # into device staging and copied (``flush_spills``); tests set it on CPU (the reference copies)
         self.save_in_place = self._in_place and os.environ.get("QML_SAVE_IN_PLACE", "1") != "0"
@@ -158,6 +158,7 @@ class KVTiers(HostRestores, DiskLoads):  # (restores from host RAM, loads from d
         # copy, so what comes before this is on its path (benchmarks/engine_turns.py reports it from the submit)
         self.restore_launched = 0.0
         self._dropped: list = []  # loads whose sequence left while their disk reads ran (``drop_load``)
+        self._reader = None  # the disk reader process (``_disk_reader``), once started; False: it failed
         if disk is not None:
             load_rates(self.planner, disk.dir)
             if needs_probe(self.planner, disk):
@@ -165,6 +166,9 @@ class KVTiers(HostRestores, DiskLoads):  # (restores from host RAM, loads from d
                                  daemon=True).start()
             self._writer = DiskWriter(disk, self.row_bytes, self.stats, backlog_bytes=MAX_PENDING_WRITE_BYTES)
             self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="qml-kv-loader")
+            # the reader process now, not at the first restore: a 40 GiB server's fork took 373 ms of that turn
+            # on an H100 host (benchmarks/results/sessions-h100-2026-12-06c.md)
+            self._disk_reader()
 
     def hold_writes(self):
         """The engine thread is about to schedule and launch a step: disk writes not begun yet wait (up to
@@ -598,6 +602,8 @@ class KVTiers(HostRestores, DiskLoads):  # (restores from host RAM, loads from d
             self._writer.close()
             self._writer = None
             self._loader.shutdown(wait=True)
+            if self._reader:
+                self._reader.close()
             self.disk.close()
 
 

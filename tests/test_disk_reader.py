@@ -1,0 +1,166 @@
+"""Restores' disk reads in a child process (``kv.disk_reader``), into the host tier's shared rows."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from array import array
+
+import pytest
+import torch
+
+from qml_runtime.kv import disk_loads
+from qml_runtime.kv.disk_reader import DiskReader
+from qml_runtime.kv.disk_store import DiskStore
+from qml_runtime.kv.host_tier import HostTier
+from tests.test_kv_tiers import GREEDY, sibling, turns
+
+ROW = 4096
+
+
+def packed(tokens) -> bytes:
+    return array("I", tokens).tobytes()
+
+
+def read_all(reader: DiskReader, reads: list) -> list[tuple]:
+    results, landed = [None] * len(reads), threading.Event()
+
+    def done(i):
+        def record(result):
+            results[i] = result
+            if all(r is not None for r in results):
+                landed.set()
+        return record
+
+    reader.read(reads, [done(i) for i in range(len(reads))])
+    assert landed.wait(30)
+    return results
+
+
+@pytest.fixture
+def store(tmp_path):
+    disk = DiskStore(tmp_path, bytes(32), 2**30, element_size=2)
+    gen = torch.Generator().manual_seed(0)
+    blocks = []
+    for i in range(6):
+        kv = (torch.randn(ROW // 2, generator=gen) * 0.1).to(torch.bfloat16).view(torch.uint8)
+        name = hashlib.sha256(bytes([i])).digest()
+        assert disk.put(name, None, range(i, i + 16), kv)
+        blocks.append((name, kv))
+    yield disk, blocks
+    disk.close()
+
+
+def test_the_child_reads_blocks_into_the_shared_rows_and_reports_damage(store):
+    disk, blocks = store
+    host = HostTier(ROW, 8 * ROW, pin=False)
+    assert host.fd is not None  # (Linux: a memfd)
+    raw = bytearray(open(disk.read_path(blocks[3][0]), "rb").read())
+    raw[-1] ^= 0x01  # a bit flipped in the payload
+    with open(disk.read_path(blocks[3][0]), "wb") as f:
+        f.write(raw)
+    os.unlink(disk.read_path(blocks[4][0]))
+    reads = [(disk.read_path(name), name, packed(range(i, i + 16)), (7 - i) * ROW, ROW)
+             for i, (name, _) in enumerate(blocks)]
+    reads[2] = (*reads[2][:2], packed(range(99, 115)), *reads[2][3:])  # the request's tokens differ
+    reads[5] = (*reads[5][:3], 0, ROW // 2)  # a row of the wrong size
+    reader = DiskReader(host.fd, host.capacity * ROW, bytes(32), threads=3)
+    try:
+        results = read_all(reader, reads)
+    finally:
+        reader.close()
+    assert [r[1] for r in results] == ["ok", "ok", "corrupt", "corrupt", "gone", "error"]
+    assert "tokens differ" in results[2][7] and "checksum" in results[3][7]
+    for i in (0, 1):
+        assert results[i][3] == ROW and results[i][2] > 0  # KV bytes, and the (encoded) file's bytes read
+        assert torch.equal(host.slots[7 - i], blocks[i][1])
+    assert not host.slots[7 - 5].any()  # the wrong-sized row was left alone
+
+
+def test_a_read_sent_to_a_dead_child_fails_at_once(store):
+    disk, blocks = store
+    host = HostTier(ROW, 2 * ROW, pin=False)
+    reader = DiskReader(host.fd, host.capacity * ROW, bytes(32), threads=1)
+    reader._proc.kill()
+    reader._listener.join(10)
+    assert not reader.alive
+    name = blocks[0][0]
+    (result,) = read_all(reader, [(disk.read_path(name), name, packed(range(16)), 0, ROW)])
+    assert result[1] == "error" and "gone" in result[7]
+    reader.close()
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    ids2, _ = turns(engine)
+    engine.scheduler.prefix_caching = False
+    try:
+        return engine.generate_sync(ids2, GREEDY).token_ids
+    finally:
+        engine.scheduler.prefix_caching = True
+
+
+def restart(engine, tmp_path):
+    """A first engine's turn written to disk, then a second engine on the same store (host RAM tier on);
+    returns (the second engine, the next turn's prompt, its cacheable tokens)."""
+    cache = dict(num_blocks=64, disk_dir=str(tmp_path), disk_bytes=2**30, host_bytes=2**26)
+    first = sibling(engine, **cache)
+    try:
+        ids2, cacheable = turns(first)
+    finally:
+        first.shutdown()
+    return sibling(engine, **cache), ids2, cacheable
+
+
+def test_after_a_restart_the_history_comes_back_through_the_reader_process(engine, expected, tmp_path):
+    restarted, ids2, cacheable = restart(engine, tmp_path)
+    try:
+        out = restarted.generate_sync(ids2, GREEDY)
+        tiers = restarted.tiers
+        assert isinstance(tiers._reader, DiskReader) and tiers._reader.alive
+        assert tiers.stats.restored_disk > 0 and tiers._writer._reads.count == 0
+        assert out.cached_tokens == cacheable >= 32 and out.token_ids == expected
+        assert tiers.disk.stats()["hits"] >= tiers.stats.restored_disk  # the parent's index saw the reads
+    finally:
+        restarted.shutdown()
+    assert restarted.tiers._reader._proc.returncode == 0  # the child ended with the engine
+
+
+def test_a_damaged_file_read_by_the_child_is_deleted_and_recomputed(engine, expected, tmp_path):
+    restarted, ids2, cacheable = restart(engine, tmp_path)
+    try:
+        disk = restarted.tiers.disk
+        files = sorted(disk.dir.glob("*.kvb"))
+        raw = bytearray(files[0].read_bytes())
+        raw[-1] ^= 0x80
+        files[0].write_bytes(raw)
+        out = restarted.generate_sync(ids2, GREEDY)
+        assert out.token_ids == expected and isinstance(restarted.tiers._reader, DiskReader)
+        assert disk.stats()["corrupt_deleted"] == 1 and not files[0].exists()
+    finally:
+        restarted.shutdown()
+
+
+def test_with_the_child_gone_loads_read_on_threads(engine, expected, tmp_path):
+    restarted, ids2, cacheable = restart(engine, tmp_path)
+    try:
+        reader = restarted.tiers._disk_reader()
+        reader._proc.kill()
+        reader._listener.join(10)
+        out = restarted.generate_sync(ids2, GREEDY)
+        assert restarted.tiers.stats.restored_disk > 0 and restarted.tiers._disk_reader() is None
+        assert out.cached_tokens == cacheable and out.token_ids == expected
+    finally:
+        restarted.shutdown()
+
+
+def test_threads_when_asked(engine, expected, tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_loads, "READER", "threads")
+    restarted, ids2, cacheable = restart(engine, tmp_path)
+    try:
+        out = restarted.generate_sync(ids2, GREEDY)
+        assert restarted.tiers._reader is None and restarted.tiers.stats.restored_disk > 0
+        assert out.token_ids == expected
+    finally:
+        restarted.shutdown()
