@@ -88,9 +88,12 @@ def main() -> None:
     ap.add_argument("--block-kib", type=int, default=1024)
     ap.add_argument("--ops", type=int, default=3000, help="iterations of 3 small torch ops")
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2, 4, 8])
+    ap.add_argument("--switch-interval-us", type=float, default=500, help="sys.setswitchinterval (the engine's: 500)")
     args = ap.parse_args()
+    sys.setswitchinterval(args.switch_interval_us / 1e6)
     row = args.block_kib << 10
-    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+    machine = platform.processor() or platform.machine()
+    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')}, {machine}, {os.cpu_count()} cores, "
           f"python {sys.version.split()[0]}, torch {torch.__version__}; switch interval "
           f"{sys.getswitchinterval() * 1e3:.1f} ms")
     print(f"# {args.blocks} blocks of {args.block_kib} KiB, read cold; the loop: {args.ops} x 3 small torch ops")

@@ -45,7 +45,8 @@ def start_server(out: Path, name: str, *flags: str, env: dict | None = None) -> 
     cmd = [sys.executable, "-m", "qml_server", "serve", "--model", f"preset:{PRESET}", "--random-weights",
            "--port", str(PORT), *SERVE_FLAGS, *flags]
     print("$", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=None if env is None else {**os.environ, **env})
+    env = None if env is None else {**os.environ, **env}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     t0 = time.time()
     while time.time() - t0 < 300:
         if proc.poll() is not None:

@@ -197,7 +197,7 @@ class Engine(KeptPages, Requests):  # (pages handed to the tiers: kept_pages; th
             restores = {"kv_restored_blocks": {"host": t.restored_host, "disk": t.restored_disk},
                         "kv_spilled_blocks": {"host": t.spilled_host + t.kept_host, "disk": t.written_disk},
                         "kv_recomputed_blocks": t.skipped_disk, "kv_restore_seconds": t.restore_seconds,
-                        "kv_restore_plans": dict(t.plans)}
+                        "kv_restore_plans": dict(t.plans), "kv_restore_cuts": t.cuts}
         return {
             **restores,
             "num_requests_running": len(self.scheduler.running),
@@ -301,7 +301,8 @@ class Engine(KeptPages, Requests):  # (pages handed to the tiers: kept_pages; th
                     seq.started.set()
             loads = self.scheduler.loading()
             if loads:  # everything runnable waits for blocks streaming in from disk
-                futures.wait([load.future for load in loads], timeout=0.05,
+                # (not long: a load that falls behind is cut, its rest computed, as soon as that is the faster way)
+                futures.wait([load.future for load in loads], timeout=0.01,
                              return_when=futures.FIRST_COMPLETED)
                 return None
             if not self.scheduler.waiting:  # (a bug: running sequences with nothing to compute)

@@ -143,7 +143,7 @@ class Scheduler:
         past them once they have landed (copied into their pages here)."""
         load = seq.pending_load
         if load is not None and seq.num_computed == load.start:
-            if not load.done():
+            if not load.done() and not self.tiers.cut_load(load):
                 return 0
             self._finish_load(seq)
             load = seq.pending_load

@@ -30,6 +30,8 @@ be a step old); a missing key only hides its family.
 ``kv_restore_seconds``      float  cumulative time spent copying pages back
 ``kv_restore_plans``        dict   plan ("restore", "recompute", "split") -> cumulative
                                    requests whose history below the GPU got that plan
+``kv_restore_cuts``         int    cumulative loads from disk cut short (their late
+                                   blocks computed: faster than waiting for them)
 ==========================  =====  ===================================================
 
 Every app owns its registry: tests build many apps in one process, and a global
@@ -225,6 +227,8 @@ class _EngineCollector(Collector):
                            "kv_recomputed_blocks")
         yield from counter("qml:kv_restore_seconds", "Time spent copying KV pages back to the GPU.",
                            "kv_restore_seconds")
+        yield from counter("qml:kv_restore_cuts", "Loads from disk cut short: their late blocks were computed "
+                           "instead, once that was faster than waiting for them.", "kv_restore_cuts")
 
 
 class _RepliesCollector(Collector):

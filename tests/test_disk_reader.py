@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from array import array
 
 import pytest
@@ -120,7 +121,7 @@ def test_after_a_restart_the_history_comes_back_through_the_reader_process(engin
         tiers = restarted.tiers
         assert isinstance(tiers._reader, DiskReader) and tiers._reader.alive
         assert tiers.stats.restored_disk > 0 and tiers._writer._reads.count == 0
-        assert out.cached_tokens == cacheable >= 32 and out.token_ids == expected
+        assert out.cached_tokens == cacheable >= 32 and out.token_ids == expected and tiers.stats.cuts == 0
         assert tiers.disk.stats()["hits"] >= tiers.stats.restored_disk  # the parent's index saw the reads
     finally:
         restarted.shutdown()
@@ -138,6 +139,7 @@ def test_a_damaged_file_read_by_the_child_is_deleted_and_recomputed(engine, expe
         out = restarted.generate_sync(ids2, GREEDY)
         assert out.token_ids == expected and isinstance(restarted.tiers._reader, DiskReader)
         assert disk.stats()["corrupt_deleted"] == 1 and not files[0].exists()
+        assert not restarted.tiers.host._held  # every slot held for a read went back, past the damaged one too
     finally:
         restarted.shutdown()
 
@@ -163,4 +165,74 @@ def test_threads_when_asked(engine, expected, tmp_path, monkeypatch):
         assert restarted.tiers._reader is None and restarted.tiers.stats.restored_disk > 0
         assert out.token_ids == expected
     finally:
+        restarted.shutdown()
+
+
+class StallingReader:
+    """In place of the reader process: reads the first ``answer`` blocks it is sent at once (really, into the
+    host rows), and the others only when ``release`` is called."""
+
+    alive = True
+
+    def __init__(self, tiers, answer: int):
+        self.tiers, self.answer, self.held = tiers, answer, []
+
+    def read(self, reads, done):
+        for read, callback in zip(reads, done):
+            if self.answer > 0:
+                self.answer -= 1
+                self._read(read, callback)
+            else:
+                self.held.append((read, callback))
+
+    def _read(self, read, callback):
+        path, name, tokens, offset, size = read
+        slot = self.tiers.host.slots[offset // self.tiers.host.block_bytes]
+        t0 = time.perf_counter()
+        ok = self.tiers.disk.get_into(name, list(array("I", tokens)), slot)
+        callback((None, "ok" if ok else "corrupt", size, size, None, t0, time.perf_counter(), ""))
+
+    def release(self):
+        held, self.held = self.held, []
+        for read, callback in held:
+            self._read(read, callback)
+
+    def close(self):
+        self.release()
+
+
+def test_a_stalled_load_is_cut_and_its_late_blocks_computed(engine, expected, tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_loads, "CUT", True)  # (QML_RESTORE_CUT=1)
+    restarted, ids2, cacheable = restart(engine, tmp_path)
+    tiers = restarted.tiers
+    tiers._reader.close()
+    stalled = tiers._reader = StallingReader(tiers, answer=1)
+    try:
+        out = restarted.generate_sync(ids2, GREEDY)
+        assert stalled.held and tiers.stats.cuts == 1  # the load was cut while the rest were out
+        assert tiers.stats.restored_disk == 1 and tiers.stats.skipped_disk >= len(stalled.held)
+        # the same text; the usage counts what was restored, not what was computed after the cut
+        assert out.token_ids == expected and out.cached_tokens == 16 < cacheable
+        assert restarted.stats()["kv_restore_cuts"] == 1
+        held = set(tiers.host._held)
+        assert held  # the late reads' slots stay held until their reads end...
+        stalled.release()
+        tiers._reap_dropped()
+        assert not tiers.host._held and tiers._writer._reads.count == 0  # ...then go back
+    finally:
+        restarted.shutdown()
+
+
+def test_a_stalled_load_waits_unless_cuts_are_on(engine, expected, tmp_path):
+    restarted, ids2, cacheable = restart(engine, tmp_path)
+    tiers = restarted.tiers
+    tiers._reader.close()
+    stalled = tiers._reader = StallingReader(tiers, answer=1)
+    try:
+        timer = threading.Timer(0.5, stalled.release)  # the rest come in later: the turn waits for them
+        timer.start()
+        out = restarted.generate_sync(ids2, GREEDY)
+        assert tiers.stats.cuts == 0 and out.cached_tokens == cacheable and out.token_ids == expected
+    finally:
+        timer.join()
         restarted.shutdown()

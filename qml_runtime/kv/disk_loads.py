@@ -46,6 +46,12 @@ LOADER_THREADS = 8
 # where a load's disk blocks are read: "process" (``kv.disk_reader``: a child process reads them into the host
 # tier's shared rows, off this process's GIL), or "threads" (loader threads here, as with no host tier)
 READER = os.environ.get("QML_DISK_READER", "process")
+# ``cut_load`` (QML_RESTORE_CUT=1): off until measured right on a GPU. Its first run there (session 33) cut loads
+# ~100 ms into their turns, when the head's step had been launched but not run (a chunk that samples nothing
+# returns at its launch), and the cut blocks, computed as a chunk after a 20k-token head, took the turns to
+# 1.0-2.4 s against ~1.0 s to recompute everything (sessions-h100-2026-12-06b.md). It now waits for the compute
+# stream to be idle; whether its estimate of that chunk holds is not measured yet.
+CUT = os.environ.get("QML_RESTORE_CUT") == "1"
 
 
 @dataclass
@@ -76,6 +82,9 @@ class PendingLoad:
     prefetch: bool = False  # host blocks copied from the start (a split of a host-RAM history)
     copied: int = 0  # of which found and copied (the leading ones)
     held: tuple | None = None  # (layer events, restore number) of that copy, for the turn's step
+    landing: _Landing | None = None  # the reader process's results as they come (its loads only)
+    cut: int | None = None  # ``cut_load``: only the blocks before this one are taken (the rest is computed)
+    given: set = field(default_factory=set)  # blocks whose host slots were given back (``_give_back``)
 
     @property
     def future(self) -> Future:
@@ -158,6 +167,7 @@ class DiskLoads:
         are answered (``_landed``). Blocks the index no longer holds are misses without a read."""
         row = self.host.block_bytes
         sent, landing = [], _Landing(len(reads))
+        load.landing = landing
         self._writer.reads_started()  # (writes wait for the reads)
         for i in reads:
             path = self.disk.read_path(load.names[i])
@@ -166,7 +176,8 @@ class DiskLoads:
             else:
                 sent.append((i, (path, load.names[i], _file_tokens(load.tokens[i]), load.dest[i] * row, row)))
         if sent:
-            reader.read([r for _, r in sent], [functools.partial(self._landed, load, landing, done, i) for i, _ in sent])
+            reader.read([r for _, r in sent],
+                        [functools.partial(self._landed, load, landing, done, i) for i, _ in sent])
 
     def _landed(self, load: PendingLoad, landing: _Landing, done: Future, i: int, result: tuple) -> None:
         """One block's read ended in the reader process (its listener thread; or here, for a block not sent)."""
@@ -189,6 +200,49 @@ class DiskLoads:
             if landing.kv_bytes and landing.last > landing.first:
                 self.planner.observe("disk", landing.kv_bytes, landing.last - landing.first)
             done.set_result(dict(landing.ok))
+
+    def cut_load(self, load: PendingLoad) -> bool:
+        """``load``'s sequence has computed everything before it and the reads are not all in: when computing the
+        blocks that have not landed is expected to end sooner than waiting for them (at the rate this load's
+        reads have come in so far), the leading blocks that landed are kept and the rest are cut (``apply_load``
+        copies those; the sequence computes the others, as after a miss). True once cut. Only a load of the
+        reader process, whose blocks land one by one, in about the order sent.
+
+        Why: a split is planned from the disk's measured rate, and a disk that reads slower than that (a busy
+        disk, an H100 host's at 0.5 GB/s against 1.1 probed) left the turn waiting for its tail, slower than
+        recomputing everything (1,382 ms against 1,001: sessions-h100-2026-12-06b.md). Cut there, the turn
+        costs at most about what the recompute of the late part does, beside what had landed."""
+        landing = load.landing
+        if load.cut is not None:
+            return True
+        if not CUT or landing is None or load.done():
+            return False
+        if self._cuda and not torch.cuda.current_stream(self.kv.data.device).query():
+            return False  # the head is launched, not run: its time is still the reads' too
+        with landing.lock:
+            ok, got, first = dict(landing.ok), landing.kv_bytes, landing.first
+        n = len(load.names)
+        lead = next((i for i in range(n) if load.tiers[i] == "disk" and isinstance(load.dest[i], int)
+                     and not ok.get(i, False)), n)
+        waiting = sum(1 for i in range(lead, n) if load.tiers[i] == "disk" and i not in ok)
+        if lead == n or not waiting:
+            return False  # everything is in, or answered: the load is done now
+        if ok.get(lead) is not False:  # (a miss there: nothing after it is taken anyway; cut at once)
+            # the rate since the first read began (the child's clock is this one: CLOCK_MONOTONIC), not since the
+            # load's start (a child still starting up is not a slow disk); a stall after that lowers it
+            elapsed = time.perf_counter() - first
+            rate = got / elapsed if got > 0 and elapsed > 0 else self.planner.disk_bytes_per_s
+            wait = waiting * self.block_bytes / rate
+            bt = (load.end - load.start) // n
+            if self.planner.prefill_seconds(load.start + lead * bt, (n - lead) * bt) >= wait:
+                return False
+        load.cut = lead
+        self.stats.cuts += 1
+        self.stats.skipped_disk += load.tiers[lead:].count("disk")
+        log.info("restore: %d of %d blocks streaming from disk still out %.0f ms after the start: the %d blocks "
+                 "from block %d on are computed instead", waiting, n, (time.perf_counter() - load.t0) * 1e3,
+                 n - lead, lead)
+        return True
 
     def _read_disk(self, part: list, parts: int = 1) -> dict[int, bool]:
         """Loader thread: read blocks in order into their destinations; stops at the first miss. The rate
@@ -252,6 +306,9 @@ class DiskLoads:
     def _give_back(self, load: PendingLoad, i: int, read: bool) -> None:
         """Block i's host slot, held for its disk read, may be evicted again; a failed read is forgotten
         (its slot holds a partial read or none)."""
+        if i in load.given:
+            return
+        load.given.add(i)
         self.host.release(load.dest[i])
         if not read:
             self.host.discard(load.names[i])
@@ -260,6 +317,7 @@ class DiskLoads:
         """Copy a finished load's blocks into its pages; returns how many leading blocks landed.
         Blocks read into host slots stay there (released for eviction); failed reads are forgotten.
         A prefetched load was copied already: its held events go to the pool."""
+        self._reap_dropped()
         if load.prefetch:
             if load.held is not None:
                 self.kv.restore_events(*load.held)
@@ -267,13 +325,19 @@ class DiskLoads:
             self.stats.restore_seconds += time.perf_counter() - load.t0
             return load.copied
         ok: dict[int, bool] = {}
-        for f in load.futures:
-            ok.update(f.result())
-        landed, sources = len(load.names), []
+        cut = load.cut
+        if cut is None:
+            for f in load.futures:
+                ok.update(f.result())
+        else:  # (the blocks before the cut are in; the slots of later ones go back once their reads end)
+            with load.landing.lock:
+                ok = {i: v for i, v in load.landing.ok.items() if i < cut}
+            self._dropped.append(load)
+        landed, sources = len(load.names) if cut is None else cut, []
         for i, tier in enumerate(load.tiers):
             dest = load.dest[i]
             if tier == "disk" and dest is not None:
-                if isinstance(dest, int):
+                if isinstance(dest, int) and (cut is None or i < cut):  # (past a cut: once read)
                     self._give_back(load, i, ok.get(i, False))
                 if not ok.get(i, False):
                     landed = min(landed, i)

@@ -5,9 +5,9 @@ each read, the checksum, the decode and the numpy calls around them all release 
 the engine thread, which releases it at every kernel launch, waited for them each time. On an H100 host a
 27k-token turn after a restart launched its 21k-token head in 1,087 ms beside eight reader threads, against
 168 ms for a whole fresh prompt alone, and the split came out slower than recomputing everything
-(benchmarks/results/sessions-h100-2026-12-06b.md). On this 2-core CPU machine, a loop of small torch ops took
-24 ms alone, 223 ms beside eight reader threads, and 31 ms beside eight threads of a child process reading the
-same blocks at the same 1.6 GB/s (benchmarks/disk_reader_gil_cpu.py).
+(benchmarks/results/sessions-h100-2026-12-06b.md). On a 2-core CPU machine, a loop of small torch ops took 18 ms
+alone, 123 ms beside eight reader threads (reading 1.01 GB/s), and 32 ms beside the reader process's eight
+(1.27 GB/s; benchmarks/disk_reader_gil_cpu.py, results/disk-reader-gil-cpu-2026-12-06.md).
 
 The host tier's rows live in a memfd (``HostTier(shared=True)``) that the child maps too; the parent sends
 (path, block hash, packed tokens, row offset, row size) and the child's threads check and read each file

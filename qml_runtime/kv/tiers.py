@@ -92,6 +92,7 @@ class TierStats:
     written_disk: int = 0
     restore_seconds: float = 0.0
     persist_skipped: int = 0  # pages not written through because the writer was too far behind
+    cuts: int = 0  # loads from disk cut short, their late blocks computed instead (``cut_load``)
     plans: dict = field(default_factory=lambda: {"restore": 0, "recompute": 0, "split": 0})
 
 
@@ -167,7 +168,7 @@ class KVTiers(HostRestores, DiskLoads):  # (restores from host RAM, loads from d
             self._writer = DiskWriter(disk, self.row_bytes, self.stats, backlog_bytes=MAX_PENDING_WRITE_BYTES)
             self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="qml-kv-loader")
             # the reader process now, not at the first restore: a 40 GiB server's fork took 373 ms of that turn
-            # on an H100 host (benchmarks/results/sessions-h100-2026-12-06c.md)
+            # on an H100 host (benchmarks/results/sessions-h100-2026-12-06b.md)
             self._disk_reader()
 
     def hold_writes(self):
@@ -597,13 +598,13 @@ class KVTiers(HostRestores, DiskLoads):  # (restores from host RAM, loads from d
     def close(self) -> None:
         """Finish the queued writes and release the disk store (idempotent)."""
         if self._writer is not None:
+            if self._reader:  # (first: its reads' ends tell the writer)
+                self._reader.close()
             self.save_rates()
             self.flush()
             self._writer.close()
             self._writer = None
             self._loader.shutdown(wait=True)
-            if self._reader:
-                self._reader.close()
             self.disk.close()
 
 
