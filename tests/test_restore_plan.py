@@ -312,9 +312,9 @@ def test_the_disk_probe_counts_a_share_of_what_it_read_alone():
             return 1000
 
     planner, seen = RestorePlanner(), []
-    planner.observe = lambda kind, amount, seconds: seen.append((kind, amount))
+    planner.observe = lambda kind, amount, seconds, provisional=False: seen.append((kind, amount, provisional))
     planner_rates.probe_disk(Disk(), planner, threads=8)
-    assert 0 < planner_rates.PROBE_SHARE < 1 and seen == [("disk", planner_rates.PROBE_SHARE * 3000)]
+    assert 0 < planner_rates.PROBE_SHARE < 1 and seen == [("disk", planner_rates.PROBE_SHARE * 3000, True)]
 
 
 # --- a host-RAM history split: the head recomputed while the tail is copied in beside it ---------------
@@ -484,3 +484,13 @@ def test_a_landed_restore_teaches_the_host_rate_before_the_next_plan(tmp_path):
     assert plan.kind == "restore"
     assert tiers.planner.host_bytes_per_s == pytest.approx(50e9) != guess  # a first measurement replaces the guess
     assert len(tiers._timing) == 1  # the one still copying waits for a later plan
+
+
+def test_a_probed_disk_rate_gives_way_to_the_first_restore_measured():
+    planner = RestorePlanner()
+    planner.observe("disk", 1.13e9, 1.0, provisional=True)  # the start-up probe
+    assert planner.disk_bytes_per_s == 1.13e9 and "disk_bytes_per_s" not in planner.rates()  # (not saved)
+    planner.observe("disk", 0.5e9, 1.0)  # the first restore: replaces the probe, not averaged with it
+    assert planner.disk_bytes_per_s == 0.5e9 and planner.rates() == {"disk_bytes_per_s": 0.5e9}
+    planner.observe("disk", 1.0e9, 1.0)  # later ones are averaged in
+    assert planner.disk_bytes_per_s == pytest.approx(0.8 * 0.5e9 + 0.2 * 1.0e9)

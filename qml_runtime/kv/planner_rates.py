@@ -71,6 +71,6 @@ def probe_disk(disk: DiskStore, planner: RestorePlanner, threads: int) -> None:
         th.join()
     seconds = time.perf_counter() - t0
     if sum(done) and "disk_bytes_per_s" not in planner.measured:  # a restore may have measured first
-        planner.observe("disk", PROBE_SHARE * sum(done), seconds)
+        planner.observe("disk", PROBE_SHARE * sum(done), seconds, provisional=True)
         log.info("restore planner: disk read %.2f GB/s (probe: %d blocks read cold in %.1f ms, x%.2f for a "
                  "restore's company)", planner.disk_bytes_per_s / 1e9, len(names), seconds * 1e3, PROBE_SHARE)
