@@ -236,3 +236,38 @@ def test_a_stalled_load_waits_unless_cuts_are_on(engine, expected, tmp_path):
     finally:
         timer.join()
         restarted.shutdown()
+
+
+def test_the_child_ends_when_the_server_is_killed():
+    """kill -9 of the server closes the child's pipe: it ends too, holding nothing of the store."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import os, signal\n"
+              "from qml_runtime.kv.host_tier import HostTier\n"
+              "from qml_runtime.kv.disk_reader import DiskReader\n"
+              "host = HostTier(4096, 4 * 4096, pin=False)\n"
+              "reader = DiskReader(host.fd, host.capacity * 4096, bytes(32), 2)\n"
+              "import threading\n"
+              "answered = threading.Event()\n"  # (the child is up and answering before the kill)
+              "reader.read([('/nonexistent', bytes(32), b'', 0, 4096)], [lambda result: answered.set()])\n"
+              "assert answered.wait(30)\n"
+              "print(reader._proc.pid, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=60)
+    assert run.returncode == -9
+    child = int(run.stdout.split()[0])
+
+    def running() -> bool:  # (a zombie no one reaps has ended too)
+        try:
+            return open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    for _ in range(200):
+        if not running():
+            break
+        time.sleep(0.05)
+    assert not running()
