@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
 from pathlib import Path
 
 import torch
@@ -25,22 +24,10 @@ import torch
 from qml_kernels import registry
 from qml_kernels.attention import AttentionMetadata, paged_attention
 from qml_kernels.attention_cudnn import _sdpa
+from moe_h200 import time_layer  # beside this script
 
 H, HKV, D, PAGE = 32, 8, 128, 16
-
-
-def timed(fn, repeats: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+REPS = 5
 
 
 def main() -> None:
@@ -62,19 +49,21 @@ def main() -> None:
             meta = AttentionMetadata.build(list(range(h, total)), [list(range(pages))], [0, n], [total], dev)
             scale = D ** -0.5
             picked = registry.select("paged_attention", q, k_cache, v_cache, meta, scale).name
-            dispatched = timed(lambda: paged_attention(q, k_cache, v_cache, meta, scale))
+            dispatched = time_layer(lambda: paged_attention(q, k_cache, v_cache, meta, scale), dev, REPS)
             with registry.using(paged_attention="triton"):
-                triton_ms = timed(lambda: paged_attention(q, k_cache, v_cache, meta, scale))
+                triton_ms = time_layer(lambda: paged_attention(q, k_cache, v_cache, meta, scale), dev, REPS)
             qf = torch.randn(1, H, total, D, device=dev, dtype=torch.bfloat16, generator=gen)
             kf = torch.randn(1, HKV, total, D, device=dev, dtype=torch.bfloat16, generator=gen)
-            fresh_total = timed(lambda: _sdpa(qf, kf, kf, scale))
-            fresh_h = timed(lambda: _sdpa(qf[:, :, :h], kf[:, :, :h], kf[:, :, :h], scale)) if h >= 16 else 0.0
+            fresh_total = time_layer(lambda: _sdpa(qf, kf, kf, scale), dev, REPS)
+            fresh_h = (time_layer(lambda: _sdpa(qf[:, :, :h], kf[:, :, :h], kf[:, :, :h], scale), dev, REPS)
+                       if h >= 16 else 0.0)
             row = {"history": h, "chunk": n, "picked": picked, "dispatched_ms": dispatched, "triton_ms": triton_ms,
                    "cudnn_fresh_total_ms": fresh_total, "cudnn_fresh_history_ms": fresh_h,
                    "cudnn_difference_ms": fresh_total - fresh_h}
             rows.append(row)
             print(f"history {h:6d} chunk {n:5d}: {picked:>10} {dispatched:7.3f} ms (triton {triton_ms:7.3f}); cuDNN "
-                  f"fresh {total} - {h}: {fresh_total:.3f} - {fresh_h:.3f} = {fresh_total - fresh_h:.3f} ms", flush=True)
+                  f"fresh {total} - {h}: {fresh_total:.3f} - {fresh_h:.3f} = {fresh_total - fresh_h:.3f} ms",
+                  flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"chunk-attention-{datetime.date.today()}.json"
     out.write_text(json.dumps({"date": str(datetime.datetime.now()), "gpu": torch.cuda.get_device_name(),

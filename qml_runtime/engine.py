@@ -33,6 +33,7 @@ from qml_runtime.constrained import Grammars
 from qml_runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
 from qml_runtime.engine_requests import Emit, Requests, _Add, _Flush
 from qml_runtime.kept_pages import PUMP_BESIDE_MIN_TOKENS, KeptPages
+from qml_runtime.kv import disk_loads
 from qml_runtime.kv.block_manager import BlockManager
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.disk_store import ENCODABLE_SIZES, DiskStore
@@ -301,8 +302,8 @@ class Engine(KeptPages, Requests):  # (pages handed to the tiers: kept_pages; th
                     seq.started.set()
             loads = self.scheduler.loading()
             if loads:  # everything runnable waits for blocks streaming in from disk
-                # (not long: a load that falls behind is cut, its rest computed, as soon as that is the faster way)
-                futures.wait([load.future for load in loads], timeout=0.01,
+                # (with cuts on, not long: a load that falls behind is cut as soon as computing its rest is faster)
+                futures.wait([load.future for load in loads], timeout=0.01 if disk_loads.CUT else 0.05,
                              return_when=futures.FIRST_COMPLETED)
                 return None
             if not self.scheduler.waiting:  # (a bug: running sequences with nothing to compute)

@@ -15,7 +15,7 @@ from qml_runtime.kv import disk_loads
 from qml_runtime.kv.disk_reader import DiskReader
 from qml_runtime.kv.disk_store import DiskStore
 from qml_runtime.kv.host_tier import HostTier
-from tests.test_kv_tiers import GREEDY, sibling, turns
+from tests.test_kv_tiers import GREEDY, expected, sibling, turns  # noqa: F401 (expected: a fixture)
 
 ROW = 4096
 
@@ -90,16 +90,6 @@ def test_a_read_sent_to_a_dead_child_fails_at_once(store):
     (result,) = read_all(reader, [(disk.read_path(name), name, packed(range(16)), 0, ROW)])
     assert result[1] == "error" and "gone" in result[7]
     reader.close()
-
-
-@pytest.fixture(scope="module")
-def expected(engine):
-    ids2, _ = turns(engine)
-    engine.scheduler.prefix_caching = False
-    try:
-        return engine.generate_sync(ids2, GREEDY).token_ids
-    finally:
-        engine.scheduler.prefix_caching = True
 
 
 def restart(engine, tmp_path):

@@ -252,8 +252,9 @@ class DiskStore:
             self._stats["misses"] += 1
         return None
 
-    def note_read(self, block_hash: bytes, file_bytes: int, kv_bytes: int) -> None:
-        """A read elsewhere found ``block_hash`` whole: its recency and the statistics, as ``get_into``'s own."""
+    def note_read(self, block_hash: bytes, file_bytes: int, kv_bytes: int, target: Path | int | None = None) -> None:
+        """A read found ``block_hash`` whole (elsewhere, or ``_read`` with the file open as ``target``): its
+        recency and the statistics."""
         with self._lock:
             stamp = self._stamp()
             if block_hash in self._index:
@@ -261,7 +262,7 @@ class DiskStore:
             self._stats["hits"] += 1
             self._stats["bytes_read"] += file_bytes
             self._stats["kv_bytes_read"] += kv_bytes
-        self._touch(self._path(block_hash), stamp)
+        self._touch(self._path(block_hash) if target is None else target, stamp)
 
     def note_failed(self, block_hash: bytes, ino: int | None, reason: str) -> None:
         """A read elsewhere found the file of ``block_hash`` (inode ``ino``; None: it could not be opened)
@@ -395,14 +396,7 @@ class DiskStore:
             except (_Corrupt, OSError) as e:
                 self._discard(block_hash, st.st_ino, str(e))
                 return None
-            with self._lock:
-                stamp = self._stamp()
-                if block_hash in self._index:
-                    self._index.move_to_end(block_hash)
-                self._stats["hits"] += 1
-                self._stats["bytes_read"] += read
-                self._stats["kv_bytes_read"] += view.nbytes
-            self._touch(fd, stamp)
+            self.note_read(block_hash, read, view.nbytes, fd)
             return buf
         finally:
             os.close(fd)
