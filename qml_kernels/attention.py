@@ -205,5 +205,8 @@ register("paged_attention", "cudnn", _imported("attention_cudnn", "paged_prefill
 # a turn of a few hundred queries over a long cached history: cuDNN over the history, Triton over the rest
 register("paged_attention", "cudnn_turn", _imported("attention_turn", "turn_attention"), devices=("cuda",),
          supports=_imported("attention_turn", "supported", cuda_only=True))
+# long chunks over a cached history (each sequence >= 512 queries), eager steps only
+register("paged_attention", "cudnn_chunk", _imported("attention_chunk", "chunk_attention"), devices=("cuda",),
+         supports=_imported("attention_chunk", "supported", cuda_only=True))
 register("paged_attention", "triton", _paged_attention_triton, devices=("cuda",), supports=_triton_supports)
 paged_attention = dispatch("paged_attention")

@@ -13,6 +13,7 @@ graph's own tokens are dropped. Steps of plain requests never pay for that.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,15 @@ from qml_runtime.sampling_params import TokenLogprob
 from qml_runtime.scheduler import ScheduledBatch
 
 Logprobs = list[TokenLogprob | None] | None  # per sequence of the step; None when no sequence asked
+
+# A prompt chunk of at least this many tokens over at least CHUNK_EAGER_CONTEXT cached ones runs eagerly where
+# qml_kernels.attention_chunk can take its attention (cuDNN's paged SDPA, not captured: a graph's lengths change on
+# the device), rather than replaying a prefill graph (Triton's attention). Such a step's GPU time (~50 ms at 1,024
+# tokens over 20k for Llama-3.1-8B) is well above its launches' host time (~20 ms), so the graph saves nothing,
+# while cuDNN's attention is faster: 2,048 queries over 21,504 keys 1.48 against 1.94 ms a layer (H100).
+# QML_CHUNK_EAGER=0 keeps the graphs.
+CHUNK_EAGER_TOKENS = 1024
+CHUNK_EAGER_CONTEXT = 8192
 
 
 @dataclass
@@ -53,6 +63,7 @@ class ModelRunner:
         # host time from the start of a step until its work is queued on the device (the rest
         # of the step is waiting for the tokens): when it nears the step time, the host is the limit
         self.launch_seconds = 0.0
+        self.eager_long_chunks = device.type == "cuda" and os.environ.get("QML_CHUNK_EAGER", "1") != "0"
 
     def capture(self) -> None:
         for family in (self.prefill_graphs, self.graphs):  # the largest graphs first: they size the pool
@@ -94,9 +105,17 @@ class ModelRunner:
         # with pages still arriving from host RAM the prefill runs eagerly: each layer then waits
         # only for its own pages (KVCache.layer), and computes while the later layers' arrive
         if p is not None and len(seqs) == 1 and not self.kv.restoring \
-                and p.fits(counts[0], len(seqs[0].block_table)):
+                and p.fits(counts[0], len(seqs[0].block_table)) and not self._long_chunk(seqs[0], counts[0]):
             return p.run(seqs[0], counts[0]), p
         return None
+
+    def _long_chunk(self, seq, n: int) -> bool:
+        """A chunk that runs faster eagerly, its attention on cuDNN (``CHUNK_EAGER_TOKENS``)."""
+        if not (self.eager_long_chunks and n >= CHUNK_EAGER_TOKENS and seq.num_computed >= CHUNK_EAGER_CONTEXT):
+            return False
+        from qml_kernels import attention_chunk
+
+        return attention_chunk.available()
 
     @staticmethod
     def _is_decode(batch: ScheduledBatch) -> bool:

@@ -50,6 +50,10 @@ CHUNK = 4999  # more than the prefill graphs take (4096), not a multiple of 16: 
 TIMED_SHORT = (128, 512)
 # eager chunks over the longest cached context, as a turn restored from host RAM runs (no graph)
 TURN_SIZES = (150, 224)
+# eager chunks of more than 512 queries over it (a long turn restored from host RAM or disk, the blocks a cut
+# restore computes): cuDNN's graphs for the chunk path's row bounds 1024, 2048 and 4096 are built here
+# (qml_kernels.attention_chunk; CHUNK's step builds 8192's), not at a served step (50-115 ms each)
+LONG_TURN_SIZES = (600, 1100, 2100)
 GEMM_ROWS = 1024  # dense GEMMs at every row count up to this (a turn's chunk, eager)
 GEMM_ROWS_WIDE = 256  # for weights wider than WIDE_N (the LM head: only the sampled rows)
 WIDE_N = 65536
@@ -85,7 +89,8 @@ def load_gemm_kernels(model: torch.nn.Module, rows: int = GEMM_ROWS, rows_wide: 
 
 
 def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK,
-            timed_short: tuple[int, ...] = TIMED_SHORT, turns: tuple[int, ...] = TURN_SIZES) -> list[tuple[int, float]]:
+            timed_short: tuple[int, ...] = TIMED_SHORT, turns: tuple[int, ...] = TURN_SIZES + LONG_TURN_SIZES
+            ) -> list[tuple[int, float]]:
     """Run the eager paths once, then time fresh prefills; returns [(tokens, seconds)] and hands
     the curve to the restore planner. Call before the engine loop starts (it uses the runner and
     the block pool directly)."""
@@ -96,13 +101,24 @@ def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK,
     chunk = min(chunk, one_step - 1)
     # the longest prompt is followed by an eager chunk over its cached context (CHUNK tokens: more
     # than the prefill graphs take, not a multiple of 16) and a last token beside another's
-    turns = tuple(n for n in turns if n < one_step)
-    after = chunk + sum(turns)  # the tokens computed over the longest prompt's context
-    limit = min(one_step, engine.context_length - after - 10,
-                (blocks.num_free - 2) * blocks.block_size - after - 10 - min(sizes, default=0) - 1)
-    sizes = tuple(sorted(n for n in sizes if n <= limit))
+    turns = sorted(n for n in turns if n < one_step)
+
+    def limit(turns) -> int:
+        """The longest fresh prompt that fits beside the chunk and these turns over its context."""
+        after = chunk + sum(turns)  # the tokens computed over the longest prompt's context
+        return min(one_step, engine.context_length - after - 10,
+                   (blocks.num_free - 2) * blocks.block_size - after - 10 - min(sizes, default=0) - 1)
+
+    # turns longer than 512 queries are the first to go where the context is short: they never displace a size
+    kept = [n for n in turns if n <= 512]
+    sizes = tuple(sorted(n for n in sizes if n <= limit(kept)))
     if not sizes:
         return []
+    for n in (n for n in turns if n > 512):
+        if limit(kept + [n]) >= sizes[-1]:
+            kept.append(n)
+    turns = sorted(kept)
+    after = chunk + sum(turns)
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=1, temperature=0.0)

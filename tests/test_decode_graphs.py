@@ -136,3 +136,37 @@ def test_prefill_graphs_for_short_and_long_contexts(engine):
     assert graphs.key(300, 27_000) == (512, True)  # a turn over a long history
     assert graphs.key(1024, 1024) == (1024, False)
     assert graphs.key(1500, 1500) == (2048, True)  # past PREFILL_SHORT_MAX: the one graph
+
+
+def test_a_long_chunk_over_a_long_context_runs_eagerly_where_the_chunk_path_serves_it(engine, monkeypatch):
+    """Turn 2's new tokens over turn 1's cached pages: through the prefill graph as a rule, but eagerly when the
+    chunk is long, its context long, and qml_kernels.attention_chunk available (thresholds made small here); the
+    tokens are the same either way."""
+    from qml_kernels import attention_chunk
+    from qml_runtime import runner as runner_module
+
+    tok = engine.tokenizer
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    monkeypatch.setattr(runner_module, "CHUNK_EAGER_TOKENS", 8)
+    monkeypatch.setattr(runner_module, "CHUNK_EAGER_CONTEXT", 16)
+    monkeypatch.setattr(attention_chunk, "available", lambda: True)
+    outputs = {}
+    for eager_chunks in (False, True):
+        eng = _engine(engine, graphs=True, prefix_caching=True)
+        eng.runner.eager_long_chunks = eager_chunks
+        eng.start()
+        try:
+            messages = [{"role": "user", "content": "Name a fruit, then a vegetable."}]
+            first = eng.generate_sync(tok.apply_chat_template(messages), greedy)
+            messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Another?"}]
+            seen = []
+            prefill = eng.runner.prefill_graphs.run
+            eng.runner.prefill_graphs.run = lambda seq, n: seen.append((seq.num_computed, n)) or prefill(seq, n)
+            second = eng.generate_sync(tok.apply_chat_template(messages), greedy)
+            assert second.cached_tokens >= 16
+            through_graph = [n for start, n in seen if start > 0 and n > 1]
+            assert bool(through_graph) != eager_chunks, (eager_chunks, seen)
+            outputs[eager_chunks] = second.token_ids
+        finally:
+            eng.shutdown()
+    assert outputs[True] == outputs[False]

@@ -128,3 +128,23 @@ def test_every_dense_weight_shape_gets_a_gemm_at_every_row_count(monkeypatch):
     assert sorted(calls) == sorted([(m, (6, 4)) for m in range(1, 6)] + [(m, (3, 5)) for m in range(1, 6)]
                                    + [(m, (warmup.WIDE_N + 1, 2)) for m in (1, 2)])
     assert warmup.load_gemm_kernels(model, device_type="cuda") == 0  # nothing of the model is there
+
+
+def test_long_eager_chunks_run_where_they_fit_and_never_displace_a_prompt_size(engine, tmp_path):
+    """Chunks of more than 512 queries over the long context build the chunk path's cuDNN graphs; where the
+    context is short they are left out rather than the fresh prompt sizes."""
+    eng = fresh_engine(engine, tmp_path)
+    steps = []
+    step = eng.runner.step
+
+    def spy(batch, eager=False):
+        steps.append((list(batch.num_tokens), eager))
+        return step(batch, eager=eager)
+
+    eng.runner.step = spy
+    # 64 pages of 16: beside a 100-token prompt and its 40-token chunk, 530 more fit, 900 do not
+    curve = warm_up(eng, sizes=(100, 48), chunk=40, turns=(21, 900, 530))
+    assert [n for n, _ in curve] == [48, 100]
+    assert [n for n, e in steps if e] == [[21], [530]], steps
+    assert eng.blocks.num_free == 64 and eng.blocks.num_cached == 0
+    eng.tiers.close()
