@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from qml_kernels.attention_chunk import MIN_QUERIES
 from qml_runtime.sampling_params import SamplingParams
 from qml_runtime.scheduler import ScheduledBatch
 
@@ -109,12 +110,12 @@ def warm_up(engine, sizes: tuple[int, ...] = FRESH_SIZES, chunk: int = CHUNK,
         return min(one_step, engine.context_length - after - 10,
                    (blocks.num_free - 2) * blocks.block_size - after - 10 - min(sizes, default=0) - 1)
 
-    # turns longer than 512 queries are the first to go where the context is short: they never displace a size
-    kept = [n for n in turns if n <= 512]
+    # turns long enough for the chunk path are the first to go where the context is short: they never displace a size
+    kept = [n for n in turns if n < MIN_QUERIES]
     sizes = tuple(sorted(n for n in sizes if n <= limit(kept)))
     if not sizes:
         return []
-    for n in (n for n in turns if n > 512):
+    for n in (n for n in turns if n >= MIN_QUERIES):
         if limit(kept + [n]) >= sizes[-1]:
             kept.append(n)
     turns = sorted(kept)
