@@ -11,9 +11,11 @@ Beside them, candidate chunk paths over the history gathered from its pages (the
 checked against the dispatched output: ``flash`` (torch's FlashAttention-2 op, whose causal mask is lower-right
 when there are fewer queries than keys), ``cudnn2`` (cuDNN over the history without a mask and over the chunk
 causally, the two merged by their log-sum-exps), ``cudnn_mask`` (cuDNN with a lower-right boolean mask), and
-cuDNN's paged SDPA through cudnn-frontend (our pages read in place, causal aligned bottom-right, GQA as is; built
-before it is timed): ``cudnn_paged`` at the exact query count and pages, ``cudnn_paged_bucket`` at queries rounded up
-to 256 and pages to 64 with the real lengths given (whether bottom-right alignment follows them).
+cuDNN's paged SDPA through cudnn-frontend as ``qml_kernels.attention_chunk`` launches it (our pages read in place,
+causal aligned bottom-right, GQA as is; built before it is timed): ``cudnn_paged`` at the exact query count and
+pages, ``cudnn_paged_bucket`` at queries rounded up to 256 and pages to 64 with the real lengths given (whether
+bottom-right alignment follows them). (The committed results of 2026-12-06 came from a prototype of that launch in
+this script, which copied q into a padded buffer of its own rather than reading its rows in place.)
 
     python benchmarks/chunk_attention_h200.py --out DIR [--histories 0,4096,21504] [--chunks 512,2048,6784]
 """
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from qml_kernels import registry
+from qml_kernels import attention_chunk, registry
 from qml_kernels.attention import AttentionMetadata, paged_attention
 from qml_kernels.attention_cudnn import _sdpa
 from moe_h200 import time_layer  # beside this script
@@ -83,69 +85,14 @@ def cudnn_mask_chunk(q, k_cache, v_cache, meta, total, scale):
     return o[0].transpose(0, 1)
 
 
-class PagedChunk:
-    """cuDNN paged SDPA for one sequence's chunk: rows [R, H, D] (the first n real), pages through the table."""
+def _paged(bucket: bool):
+    """cuDNN's paged SDPA as ``attention_chunk`` launches it, its bounds exact (rows and pages) or bucketed (rows to
+    256, pages to 64)."""
 
-    def __init__(self, q, k_cache, meta, total, scale, rows, max_pages):
-        import cudnn
-
-        dt = cudnn.data_type
-        io = dt.BFLOAT16
-        self.q = torch.zeros(rows, H, D, device=q.device, dtype=q.dtype)
-        self.o = torch.zeros_like(self.q)
-        n = q.shape[0]
-        self.table = torch.zeros(1, 1, max_pages, 1, dtype=torch.int32, device=q.device)
-        pages = -(-total // PAGE)
-        self.table[0, 0, :pages, 0] = meta.block_tables[0, :pages]
-        self.seq_q = torch.full((1, 1, 1, 1), n, dtype=torch.int32, device=q.device)
-        self.seq_kv = torch.full((1, 1, 1, 1), total, dtype=torch.int32, device=q.device)
-        self.handle = cudnn.create_handle()
-        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
-                          handle=self.handle)
-        qdim, qstride = [1, H, rows, D], [rows * H * D, D, H * D, 1]
-        t = {"q": g.tensor(name="q", dim=qdim, stride=qstride, data_type=io)}
-        P, S = k_cache.shape[:2]
-        st = k_cache.stride()
-        for name in ("k", "v"):
-            t[name] = g.tensor(name=name, dim=[P, HKV, S, D], stride=[st[0], st[2], st[1], st[3]], data_type=io)
-        for name, buf in (("table", self.table), ("seq_q", self.seq_q), ("seq_kv", self.seq_kv)):
-            t[name] = g.tensor(name=name, dim=list(buf.shape), stride=list(buf.stride()), data_type=dt.INT32)
-        o, _ = g.sdpa(name="chunk", q=t["q"], k=t["k"], v=t["v"], attn_scale=scale, generate_stats=False,
-                      diagonal_band_right_bound=0, diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
-                      use_padding_mask=True, seq_len_q=t["seq_q"], seq_len_kv=t["seq_kv"],
-                      paged_attention_k_table=t["table"], paged_attention_v_table=t["table"],
-                      paged_attention_max_seq_len_kv=max_pages * PAGE)
-        o.set_output(True).set_dim(qdim).set_stride(qstride).set_data_type(io)
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
-        self.g, self.t, self.out, self.cudnn = g, t, o, cudnn
-        self.ws = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device=q.device)
-
-    def __call__(self, q, k_cache, v_cache):
-        n = q.shape[0]
-        self.q[:n].copy_(q)
-        t = self.t
-        self.cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
-        self.g.execute({t["q"]: self.q, t["k"]: k_cache, t["v"]: v_cache, t["table"]: self.table,
-                        t["seq_q"]: self.seq_q, t["seq_kv"]: self.seq_kv, self.out: self.o}, self.ws,
-                       handle=self.handle)
-        return self.o[:n]
-
-
-_PAGED = {}
-
-
-def _paged(bucket):
     def run(q, k_cache, v_cache, meta, total, scale):
         n, pages = q.shape[0], -(-total // PAGE)
         rows, max_pages = (-(-n // 256) * 256, -(-pages // 64) * 64) if bucket else (n, pages)
-        key = (bucket, n, total)
-        if key not in _PAGED:
-            _PAGED[key] = PagedChunk(q, k_cache, meta, total, scale, rows, max_pages)
-        return _PAGED[key](q, k_cache, v_cache)
+        return attention_chunk.chunk_attention(q, k_cache, v_cache, meta, scale, rows=rows, max_pages=max_pages)
     return run
 
 

@@ -36,26 +36,16 @@ before its launch (``_Tails``: cuDNN multiplies their values by zero, and a NaN 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from qml_kernels.attention import AttentionMetadata, host_to_device
+from qml_kernels.cudnn_frontend import build, execute, paged_graph
+from qml_kernels.cudnn_frontend import module as _cudnn
 
 MIN_QUERIES = 512  # fewer queries per sequence leave SMs idle here (n/128 tiles x H programs): Triton's split-KV
 ENABLED = os.environ.get("QML_CUDNN_CHUNK", "1") != "0"
-
-
-@functools.cache
-def _cudnn():
-    """cudnn-frontend's module, or None where it is not installed (CPU machines, CI)."""
-    try:
-        import cudnn
-
-        return cudnn
-    except Exception:  # noqa: BLE001 - missing, or its backend library cannot load: not available
-        return None
 
 
 def available() -> bool:
@@ -87,48 +77,31 @@ class _Buffers:
 class _Graph(_Buffers):
     """cuDNN's paged SDPA for one launch shape: ragged q/out over the pool's pages, causal bottom-right."""
 
-    def __init__(self, cudnn, device, dtype, B: int, H: int, Hkv: int, R: int, D: int, q_token_stride: int,
+    def __init__(self, cudnn, device, dtype, B: int, H: int, R: int, D: int, q_token_stride: int,
                  o_token_stride: int, pool_shape, pool_strides, max_pages: int, scale: float):
         super().__init__(device, B, max_pages)
-        dt = cudnn.data_type
-        io = dt.BFLOAT16 if dtype == torch.bfloat16 else dt.HALF
-        self.handle = cudnn.create_handle()
-        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
-                          handle=self.handle)
-        t = {}
-        for name, buf in (("table", self.table), ("seq_q", self.seq_q), ("seq_kv", self.seq_kv),
-                          ("q_off", self.q_offsets), ("o_off", self.o_offsets)):
-            t[name] = g.tensor(name=name, dim=list(buf.shape), stride=list(buf.stride()),
-                               data_type=dt.INT64 if buf.dtype == torch.int64 else dt.INT32)
+        self.handle, g, io, t = paged_graph(cudnn, dtype, pool_shape, pool_strides,
+                                            {"table": self.table, "seq_q": self.seq_q, "seq_kv": self.seq_kv,
+                                             "q_off": self.q_offsets, "o_off": self.o_offsets})
         # rows: (sequence, head, token, dim); the batch stride is never stepped under ragged offsets
         q_dims, q_strides = [B, H, R, D], [R * q_token_stride, D, q_token_stride, 1]
         o_strides = [R * o_token_stride, D, o_token_stride, 1]
         t["q"] = g.tensor(name="q", dim=q_dims, stride=q_strides, data_type=io, ragged_offset=t["q_off"])
-        P, S = pool_shape[0], pool_shape[1]
-        dims = [P, Hkv, S, D]  # our pool [P, S, Hkv, D] as cuDNN's container: the same bytes, by strides
-        strides = [pool_strides[0], pool_strides[2], pool_strides[1], pool_strides[3]]
-        t["k"] = g.tensor(name="k", dim=dims, stride=strides, data_type=io)
-        t["v"] = g.tensor(name="v", dim=dims, stride=strides, data_type=io)
         o, _ = g.sdpa(name="chunk", q=t["q"], k=t["k"], v=t["v"], attn_scale=scale, generate_stats=False,
                       diagonal_band_right_bound=0, diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
                       use_padding_mask=True, seq_len_q=t["seq_q"], seq_len_kv=t["seq_kv"],
                       paged_attention_k_table=t["table"], paged_attention_v_table=t["table"],
-                      paged_attention_max_seq_len_kv=max_pages * S)
+                      paged_attention_max_seq_len_kv=max_pages * pool_shape[1])
         o.set_output(True).set_dim(q_dims).set_stride(o_strides).set_data_type(io).set_ragged_offset(t["o_off"])
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
+        self.workspace = build(cudnn, g, device)
         self.graph, self.tensors, self.out, self.cudnn = g, t, o, cudnn
-        self.workspace = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device=device)
 
     def run(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         t = self.tensors
-        self.cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
-        self.graph.execute({t["q"]: q, t["k"]: k_cache, t["v"]: v_cache, t["table"]: self.table,
-                            t["seq_q"]: self.seq_q, t["seq_kv"]: self.seq_kv, t["q_off"]: self.q_offsets,
-                            t["o_off"]: self.o_offsets, self.out: out}, self.workspace, handle=self.handle)
+        execute(self.cudnn, self.handle, self.graph,
+                {t["q"]: q, t["k"]: k_cache, t["v"]: v_cache, t["table"]: self.table, t["seq_q"]: self.seq_q,
+                 t["seq_kv"]: self.seq_kv, t["q_off"]: self.q_offsets, t["o_off"]: self.o_offsets, self.out: out},
+                self.workspace)
 
 
 _GRAPHS: dict[tuple, _Graph | None] = {}  # launch shape -> built graph (None: cuDNN declined it)
@@ -150,7 +123,7 @@ def _graph_for(q, k_cache, o_token_stride: int, meta, scale, rows=None, max_page
            tuple(k_cache.stride()), pages, float(scale))
     if key not in _GRAPHS:
         try:
-            _GRAPHS[key] = _Graph(_cudnn(), q.device, q.dtype, B, H, Hkv, R, D, q.stride(0), o_token_stride,
+            _GRAPHS[key] = _Graph(_cudnn(), q.device, q.dtype, B, H, R, D, q.stride(0), o_token_stride,
                                   tuple(k_cache.shape), tuple(k_cache.stride()), pages, scale)
         except Exception as e:  # noqa: BLE001 - cuDNN declines the shape: Triton serves it
             _GRAPHS[key], DECLINED[key] = None, f"{type(e).__name__}: {e}"

@@ -49,6 +49,8 @@ import triton.language as tl
 
 from qml_kernels.attention import AttentionMetadata
 from qml_kernels.attention_prefill import LOG2E, tile_of
+from qml_kernels.cudnn_frontend import build, execute, paged_graph
+from qml_kernels.cudnn_frontend import module as _cudnn
 
 LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # (the merge takes cuDNN's natural-log stats to base 2)
 # sequences a program scans per step of its search for its own (attention_prefill.tile_of)
@@ -59,17 +61,6 @@ ROWS = 64  # rows of the tail kernel's tile: TILE_TOKENS = ROWS // G tokens of G
 CUDNN_TILE = 128  # rows of cuDNN's Hopper tile (what the run count is sized with)
 MAX_RUNS = 16  # (the merge unrolls a loop over them)
 ENABLED = os.environ.get("QML_CUDNN_TURN", "1") != "0"
-
-
-@functools.cache
-def _cudnn():
-    """cudnn-frontend's module, or None where it is not installed (CPU machines, CI)."""
-    try:
-        import cudnn
-
-        return cudnn
-    except Exception:  # noqa: BLE001 - missing, or its backend library cannot load: not available
-        return None
 
 
 def num_runs(rows: int, kv_heads: int, sms: int) -> int:
@@ -203,42 +194,23 @@ class _Graph(_Buffers):
     def __init__(self, cudnn, device, dtype, E: int, Hkv: int, R: int, D: int, pool_shape, pool_strides,
                  max_pages: int, page: int, scale: float):
         super().__init__(device, dtype, E, Hkv, R, D, max_pages)
-        dt = cudnn.data_type
-        io = dt.BFLOAT16 if dtype == torch.bfloat16 else dt.HALF
-        self.handle = cudnn.create_handle()
-        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
-                          handle=self.handle)
-        t = {}
+        self.handle, g, io, t = paged_graph(cudnn, dtype, pool_shape, pool_strides,
+                                            {"table": self.table, "seq_q": self.seq_q, "seq_kv": self.seq_kv})
         t["q"] = g.tensor(name="q", dim=list(self.q.shape), stride=list(self.q.stride()), data_type=io)
-        # our pool [P, S, Hkv, D] as cuDNN's container [P, Hkv, S, D]: the same bytes, by strides
-        P, S, _, _ = pool_shape
-        dims = [P, Hkv, S, D]
-        strides = [pool_strides[0], pool_strides[2], pool_strides[1], pool_strides[3]]
-        t["k"] = g.tensor(name="k", dim=dims, stride=strides, data_type=io)
-        t["v"] = g.tensor(name="v", dim=dims, stride=strides, data_type=io)
-        for name, buf in (("table", self.table), ("seq_q", self.seq_q), ("seq_kv", self.seq_kv)):
-            t[name] = g.tensor(name=name, dim=list(buf.shape), stride=list(buf.stride()), data_type=dt.INT32)
         o, stats = g.sdpa(name="turn", q=t["q"], k=t["k"], v=t["v"], attn_scale=scale, generate_stats=True,
                           use_padding_mask=True, seq_len_q=t["seq_q"], seq_len_kv=t["seq_kv"],
                           paged_attention_k_table=t["table"], paged_attention_v_table=t["table"],
                           paged_attention_max_seq_len_kv=max_pages * page)
         o.set_output(True).set_dim(list(self.o.shape)).set_stride(list(self.o.stride())).set_data_type(io)
-        stats.set_output(True).set_data_type(dt.FLOAT)
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
+        stats.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+        self.workspace = build(cudnn, g, device)
         self.graph, self.tensors, self.out_o, self.out_stats, self.cudnn = g, t, o, stats, cudnn
-        self.workspace = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device=device)
 
     def run(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         t = self.tensors
-        # cuDNN launches on its handle's stream: torch's current one (a CUDA graph captures on a side stream)
-        self.cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
-        self.graph.execute({t["q"]: self.q, t["k"]: k_cache, t["v"]: v_cache, t["table"]: self.table,
-                            t["seq_q"]: self.seq_q, t["seq_kv"]: self.seq_kv, self.out_o: self.o,
-                            self.out_stats: self.stats}, self.workspace, handle=self.handle)
+        execute(self.cudnn, self.handle, self.graph,
+                {t["q"]: self.q, t["k"]: k_cache, t["v"]: v_cache, t["table"]: self.table, t["seq_q"]: self.seq_q,
+                 t["seq_kv"]: self.seq_kv, self.out_o: self.o, self.out_stats: self.stats}, self.workspace)
 
 
 _GRAPHS: dict[tuple, _Graph | None] = {}  # launch shape -> built graph (None: cuDNN declined it)
