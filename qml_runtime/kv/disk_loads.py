@@ -5,7 +5,9 @@ A restore plan may stream the tail of a history in from disk while the head is r
 into host-tier slots held for them (pinned, and the blocks stay in host RAM afterwards) or into
 plain rows when there is no host tier; ``apply_load``, once the sequence reaches the streamed
 region, copies what landed into its pages (``KVTiers._upload``). A block that is missing or damaged
-when read is a miss: the sequence computes it on the page it would have filled.
+when read is a miss: the sequence computes it on the page it would have filled. A block whose file the
+disk writer has not written yet (a host entry evicted while the disk is busy) is copied from the
+writer's own copy instead (``DiskWriter.copy_of``), by a loader thread, as if read.
 
 A tail that is all in host RAM (``Plan.prefetch``) is copied from the start, beside the recompute of
 the head: its layer events are held by the load, not handed to the pool (the head's steps do not read
@@ -100,6 +102,24 @@ def _file_tokens(packed: bytes) -> bytes:
     return packed if sys.byteorder == "little" else np.frombuffer(packed, np.uint32).astype("<u4").tobytes()
 
 
+def _copy_in(out: torch.Tensor, held: tuple) -> None:
+    """A block the disk writer holds (``DiskWriter.copy_of``: its bytes, and the event after which they are
+    valid) into a host row. Gathered pages are on the device: copied on a side stream (the default stream
+    would wait for the compute stream's steps), done before this returns."""
+    data, ready = held
+    if not data.is_cuda:
+        if ready is not None:  # (a copy down into it)
+            ready.synchronize()
+        out.copy_(data)
+        return
+    stream = torch.cuda.Stream(data.device)
+    if ready is not None:
+        stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        out.copy_(data, non_blocking=True)
+    stream.synchronize()
+
+
 class DiskLoads:
     def start_load(self, blocks: list[tuple[str, bytes, bytes]], pages: list[int], start: int,
                    end: int, prefetch: int | None = None) -> PendingLoad:
@@ -170,9 +190,17 @@ class DiskLoads:
         load.landing = landing
         self._writer.reads_started()  # (writes wait for the reads)
         for i in reads:
-            path = self.disk.read_path(load.names[i])
+            path, held = self.disk.read_path(load.names[i]), None
             if path is None:
-                self._landed(load, landing, done, i, (None, "absent", 0, 0, None, 0.0, 0.0, ""))
+                held = self._writer.copy_of(load.names[i], load.tokens[i])  # (its file not written yet)
+                if held is None:
+                    path = self.disk.read_path(load.names[i])  # (or written just now)
+            if path is None:
+                if held is None:
+                    self._landed(load, landing, done, i, (None, "absent", 0, 0, None, 0.0, 0.0, ""))
+                else:  # copied on a loader thread (2 MiB a Llama-3.1-8B page), not on the engine thread
+                    self._loader.submit(self._copy_held, held, load.dest[i],
+                                        functools.partial(self._landed, load, landing, done, i))
             else:
                 sent.append((i, (path, load.names[i], _file_tokens(load.tokens[i]), load.dest[i] * row, row)))
         if sent:
@@ -182,6 +210,14 @@ class DiskLoads:
     def _landed(self, load: PendingLoad, landing: _Landing, done: Future, i: int, result: tuple) -> None:
         """One block's read ended in the reader process (its listener thread; or here, for a block not sent)."""
         _, status, file_bytes, kv_bytes, ino, t0, t1, reason = result
+        if status == "copied":  # from the writer's copy: it landed, and it says nothing of the disk's rate
+            with landing.lock:
+                landing.ok[i] = True
+                landing.left -= 1
+                last = landing.left == 0
+            if last:
+                self._reads_landed(landing, done)
+            return
         if status == "ok":
             self.disk.note_read(load.names[i], file_bytes, kv_bytes)
         elif status in ("corrupt", "gone"):
@@ -196,10 +232,24 @@ class DiskLoads:
             landing.left -= 1
             last = landing.left == 0
         if last:
-            self._writer.reads_done()
-            if landing.kv_bytes and landing.last > landing.first:
-                self.planner.observe("disk", landing.kv_bytes, landing.last - landing.first)
-            done.set_result(dict(landing.ok))
+            self._reads_landed(landing, done)
+
+    def _reads_landed(self, landing: _Landing, done: Future) -> None:
+        self._writer.reads_done()
+        if landing.kv_bytes and landing.last > landing.first:
+            self.planner.observe("disk", landing.kv_bytes, landing.last - landing.first)
+        done.set_result(dict(landing.ok))
+
+    def _copy_held(self, held: tuple, slot: int, landed) -> None:
+        """Loader thread: a block the disk writer still holds (``DiskWriter.copy_of``) into its host slot, then
+        ``landed`` is told, as for a read."""
+        status = "copied"
+        try:
+            _copy_in(self.host.slots[slot], held)
+        except Exception:  # (a restore is a cache read: a failure is a miss)
+            log.exception("restore: a block held by the disk writer could not be copied")
+            status = "error"
+        landed((None, status, 0, 0, None, 0.0, 0.0, "copy failed"))
 
     def cut_load(self, load: PendingLoad) -> bool:
         """``load``'s sequence has computed everything before it and the reads are not all in: when computing the
@@ -253,6 +303,16 @@ class DiskLoads:
             for i, name, toks, dest in part:
                 out = self.host.slots[dest] if isinstance(dest, int) else dest
                 ok[i] = self.disk.get_into(name, unpack(toks), out)
+                if not ok[i] and not self.disk.contains(name):  # its file not written yet: the writer's copy
+                    held = self._writer.copy_of(name, toks)
+                    if held is not None:
+                        try:
+                            _copy_in(out, held)
+                            ok[i] = True
+                        except Exception:  # (a restore is a cache read: a failure is a miss)
+                            log.exception("restore: a block held by the disk writer could not be copied")
+                    elif self.disk.contains(name):  # (or written just now)
+                        ok[i] = self.disk.get_into(name, unpack(toks), out)
                 if not ok[i]:
                     break
         finally:

@@ -14,6 +14,10 @@ Two kinds of work arrive (``KVTiers`` queues them):
   read it, and ``detach`` (the tier calls it when the row is about to take other bytes) turns a
   borrowed block not yet written into an owned copy, or waits for the write that is reading it.
 
+A block the writer owns is in no other tier until its file lands (its host entry gave the row up):
+``copy_of`` hands its bytes to a restore meanwhile, which would otherwise find the block nowhere and
+compute that part of the history again (``DiskLoads.start_load`` puts them back into host RAM).
+
 ``pending_bytes`` counts every byte handed over and not yet written (staging, owned blocks, borrowed rows),
 so the engine can skip a write-through, and drop a host entry it evicts rather than copy it for the writer,
 when the disk falls behind. A write is a cache fill: a failure is logged and never stops the writer.
@@ -29,7 +33,7 @@ import time
 import torch
 
 from qml_runtime.kv.disk_store import DiskStore
-from qml_runtime.kv.prefix import unpack
+from qml_runtime.kv.prefix import as_packed, unpack
 
 log = logging.getLogger("qml.kv.tiers")
 
@@ -101,6 +105,7 @@ class DiskWriter:
         # is behind, was gathered on the device and queued again each time)
         self._queued: set[bytes] = set()
         self._borrowed: dict[bytes, _Block] = {}  # blocks whose data is a host-tier row, until written or detached
+        self._owned: dict[bytes, _Block] = {}  # blocks whose data is the writer's own copy, until written (``copy_of``)
         self._block_done = threading.Condition(self._lock)  # a borrowed block's write ended
         self._reads = _Stretch()  # disk reads of restores in flight (``reads_started``/``reads_done``)
         self._holds = _Stretch()  # the engine thread's holds (``hold``/``release``) in force
@@ -115,10 +120,13 @@ class DiskWriter:
     def put_pages(self, staging: torch.Tensor, ready, blocks: list[tuple[bytes, bytes, bytes | None]]) -> None:
         """Gathered pages (one row each) and their (name, packed tokens, parent name), valid once
         ``ready`` (an event, or None) has passed."""
+        rows = [_Block(name, tokens, staging[i], parent, ready, False)
+                for i, (name, tokens, parent) in enumerate(blocks)]
         with self._lock:
             self.pending_bytes += staging.numel()
             self._queued.update(name for name, _, _ in blocks)
-        self._queue.put(("pages", staging, ready, blocks))
+            self._owned.update((row.name, row) for row in rows)
+        self._queue.put(("pages", staging, ready, rows))
 
     def put_block(self, name: bytes, tokens: bytes, data: torch.Tensor, parent: bytes | None, ready,
                   borrowed: bool = False) -> None:
@@ -129,6 +137,8 @@ class DiskWriter:
             self._queued.add(name)
             if borrowed:
                 self._borrowed[name] = block
+            else:
+                self._owned[name] = block
             self.pending_bytes += data.numel()
         self._queue.put(("block", block))
 
@@ -154,7 +164,19 @@ class DiskWriter:
                 return
             if block.ready is not None:
                 block.ready.synchronize()  # the row's copy down has landed
-            block.data = block.data.clone()
+            block.data, block.ready = block.data.clone(), None
+            self._owned[name] = block
+
+    def copy_of(self, name: bytes, tokens):
+        """(bytes, ready) of block ``name`` (packed ``tokens``, checked) while the writer holds its own copy, not
+        yet in a file: an evicted host entry, a borrowed row detached, or a row of gathered pages (on the
+        device, valid once the event ``ready`` has passed; None: now). None: no such copy (never handed over,
+        written, or dropped). Read-only: the write may be reading it too."""
+        with self._lock:
+            block = self._owned.get(name)
+        if block is None or block.tokens != bytes(as_packed(tokens)):
+            return None
+        return block.data, block.ready
 
     def reads_started(self) -> None:
         """A restore's reads begin: writes not yet begun wait for them (up to ``READS_FIRST_MAX_S`` after
@@ -236,6 +258,8 @@ class DiskWriter:
             with self._lock:
                 if self._borrowed.get(block.name) is block:
                     del self._borrowed[block.name]
+                if self._owned.get(block.name) is block:  # (in its file now, or failed: a miss)
+                    del self._owned[block.name]
                 self.pending_bytes -= block.data.numel()
                 block.writing = False
                 self._block_done.notify_all()
@@ -258,28 +282,39 @@ class DiskWriter:
                 if written:
                     self.stats.written_disk += 1
 
-    def _write_pages(self, staging: torch.Tensor, ready, blocks: list) -> None:
+    def _write_pages(self, staging: torch.Tensor, ready, rows: list[_Block]) -> None:
         """Copy gathered pages down through the pinned bounce buffer, then to files."""
         try:
             if ready is not None:
                 ready.synchronize()
             if not staging.is_cuda:
-                for i, (name, tokens, parent) in enumerate(blocks):
-                    self._write_one(name, tokens, staging[i], parent)
+                for i, row in enumerate(rows):
+                    self._write_one(row.name, row.tokens, staging[i], row.parent)
+                    self._forget(row)
                 return
             local = self._local
             if getattr(local, "bounce", None) is None:
                 local.bounce = torch.empty((BOUNCE_PAGES, self.block_bytes), dtype=torch.uint8, pin_memory=True)
                 local.stream = torch.cuda.Stream(staging.device)  # not behind the compute stream's work
-            for i in range(0, len(blocks), BOUNCE_PAGES):
-                n = min(BOUNCE_PAGES, len(blocks) - i)
+            for i in range(0, len(rows), BOUNCE_PAGES):
+                n = min(BOUNCE_PAGES, len(rows) - i)
                 with torch.cuda.stream(local.stream):
                     local.bounce[:n].copy_(staging[i:i + n], non_blocking=True)
                 local.stream.synchronize()  # the buffer is reused next round
                 for j in range(n):
-                    name, tokens, parent = blocks[i + j]
-                    self._write_one(name, tokens, local.bounce[j], parent)
+                    row = rows[i + j]
+                    self._write_one(row.name, row.tokens, local.bounce[j], row.parent)
+                    self._forget(row)
         finally:
             with self._lock:
                 self.pending_bytes -= staging.numel()
-            del staging
+                for row in rows:  # (those not written: a failure)
+                    if self._owned.get(row.name) is row:
+                        del self._owned[row.name]
+            del staging, rows
+
+    def _forget(self, row: _Block) -> None:
+        """A row's write ended: its file is there (or failed, a miss); ``copy_of`` no longer hands it out."""
+        with self._lock:
+            if self._owned.get(row.name) is row:
+                del self._owned[row.name]

@@ -122,10 +122,13 @@ class HostRestores:
     """``KVTiers``' way up: finding a history's blocks in the tiers below, planning, and copying them in."""
 
     def locate(self, name: bytes, tokens) -> str | None:
-        """Which tier holds this block: "host", "disk", or None (``tokens``: packed, or the ids)."""
+        """Which tier holds this block: "host", "disk", or None (``tokens``: packed, or the ids). A block the disk
+        writer holds a copy of, its file not written yet, is "disk": ``start_load`` takes it from that copy."""
         if self.host is not None and self.host.find(name, tokens) is not None:
             return "host"
         if self.disk is not None and self.disk.contains(name):
+            return "disk"
+        if self._writer is not None and self._writer.copy_of(name, tokens) is not None:
             return "disk"
         return None
 
