@@ -6,7 +6,8 @@ sequence's pages scattered through it; q is the first third of a fused qkv proje
 (H + 2 Hkv) Dh) and out a separate buffer with guard rows after it (which must stay untouched). For each case: the
 largest difference from Triton's output, the time at the default bounds (rows and table width rounded up to powers
 of two), at exact bounds (rows to 128, the table's own width), at a table as wide as the pool, the first call's
-time (the graph's build), Triton's time and the dispatched path's.
+time (the graph's build), Triton's time and the dispatched path's; and the step as one launch (``together``: its
+own graph for the count of sequences) against the default, a launch a sequence on the one-sequence graphs.
 
     python benchmarks/cudnn_chunk_h200.py --out DIR [--pool PAGES] [--cases 0,2,8]
 """
@@ -31,7 +32,8 @@ REPS = 5
 # (cached history, new queries) per sequence
 CASES = [
     [(21504, 6784)], [(0, 6784)], [(4096, 2048)], [(21504, 512)], [(0, 27648)], [(8192, 1000), (0, 3000)],
-    [(9000, 4100)], [(16000, 16400)], [(27000, 600)],
+    [(9000, 4100)], [(16000, 16400)], [(27000, 600)], [(8192, 1000), (4096, 900)],
+    [(8192, 1000), (0, 3000), (4096, 700)],
 ]
 
 
@@ -78,7 +80,7 @@ def main() -> None:
         row["dispatched_ms"] = time_layer(lambda: paged_attention(q, k_cache, v_cache, meta, scale), dev, REPS)
         width = meta.block_tables.shape[1]
         bounds = {"default": {}, "exact": {"rows": -(-meta.max_q_len // 128) * 128, "max_pages": width},
-                  "pool_wide": {"max_pages": args.pool}}
+                  "pool_wide": {"max_pages": args.pool}, "together": {"together": True}}
         for name, kw in bounds.items():
             try:
                 guard = torch.full((T + 256, H, D), 7.0, device=dev, dtype=torch.bfloat16)
@@ -93,12 +95,17 @@ def main() -> None:
                 ms = time_layer(lambda: attention_chunk.chunk_attention(q, k_cache, v_cache, meta, scale, out=out,
                                                                         **kw), dev, REPS)
                 row[name] = {"ms": ms, "first_call_ms": first, "max_abs_err": err, "guard_untouched": guard_ok,
-                             "bounds": attention_chunk.launch_shape(q, k_cache, meta, kw.get("rows"),
-                                                                    kw.get("max_pages"))}
+                             "launches": attention_chunk.launch_shapes(q, k_cache, meta, kw.get("rows"),
+                                                                       kw.get("max_pages"), kw.get("together", False))}
             except Exception as e:  # noqa: BLE001 - cuDNN declining a shape is an answer too
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         rows.append(row)
         print(json.dumps(row), flush=True)
+        print(f"{case}: triton {row['triton_ms']:.3f} ms, dispatched {row['dispatched']} {row['dispatched_ms']:.3f};",
+              "; ".join(f"{name} " + (row[name]["error"][:80] if "error" in row[name] else
+                                      f"{row[name]['ms']:.3f} ms (first {row[name]['first_call_ms']:.1f}, err "
+                                      f"{row[name]['max_abs_err']:.1e}, guard {row[name]['guard_untouched']})")
+                        for name in bounds), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"cudnn-chunk-{datetime.date.today()}-pool{args.pool}.json"
     out.write_text(json.dumps({"date": str(datetime.datetime.now()), "gpu": torch.cuda.get_device_name(),

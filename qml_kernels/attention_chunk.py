@@ -1,5 +1,5 @@
 """Long prefill chunks through cuDNN's paged SDPA: chunks of 512 queries or more over a cached history, read
-from our pages in place, in one launch per step.
+from our pages in place, one launch a sequence.
 
 Why: such a chunk (a prompt's second step, a long new turn after a prefix hit, the blocks a restore left to
 compute) is neither a fresh prompt (``attention_cudnn``: torch's SDPA over K/V gathered from the pages) nor a turn
@@ -23,9 +23,12 @@ offset table in elements, so rows are read and written in place whatever their t
 projection's views included), and a graph's row count is only a bound.
 
 Shapes: a cuDNN graph is built per (sequences, row bound, pool, heads, strides, dtype, scale), at 50-115 ms a build
-(a two-sequence shape 771-894 ms) on the H100 (``results/cudnn-chunk-h100-2026-12-06.md``). The row bound is a power of
-two from ``MIN_QUERIES``, and every table is as wide as the pool (a page can be anywhere in it), so that a process
-builds a handful: bounds above the step's lengths cost nothing measurable there (16,400 queries over 16,000 keys
+on the H100 (``results/cudnn-chunk-h100-2026-12-06.md``). A step launches each sequence on the one-sequence graph of
+its row bound, so that no count of sequences or mix of bounds is a new shape to build on a served step, stalling
+every stream (``together``, one launch for the step, stays for benchmarks: 9-18% faster on two or three sequences
+with a fresh prompt among them, 8% slower on two similar ones, ``results/chunk-launches-h100-2026-12-06.md``). The
+row bound is a power of two from ``MIN_QUERIES``, and every table is as wide as the pool (a page can be anywhere in
+it), so that a process builds a handful: bounds above the step's lengths cost nothing measurable there (16,400 queries over 16,000 keys
 11.34 ms at 32,768 rows, 12.31 at 16,512; 6,784 over 21,504 4.73 ms with a 65,536-page table, 4.75 with 2,048).
 ``qml_runtime.warmup`` runs the common ones before the first request; another is built when a step first needs it.
 
@@ -72,6 +75,14 @@ class _Buffers:
         self.seq_kv = torch.zeros(B, 1, 1, 1, dtype=torch.int32, device=device)
         self.q_offsets = torch.zeros(B + 1, 1, 1, 1, dtype=torch.int64, device=device)
         self.o_offsets = torch.zeros(B + 1, 1, 1, 1, dtype=torch.int64, device=device)
+        self._more: list[_Buffers] = []
+
+    def nth(self, j: int) -> _Buffers:
+        """The operands of a step's j-th launch of this shape (0: these), made once and kept: a step's launches
+        run one after another on one stream, and its operands are filled at its first layer."""
+        while len(self._more) < j:
+            self._more.append(_Buffers(self.table.device, self.seq_q.shape[0], self.table.shape[2]))
+        return self if j == 0 else self._more[j - 1]
 
 
 class _Graph(_Buffers):
@@ -96,11 +107,13 @@ class _Graph(_Buffers):
         self.workspace = build(cudnn, g, device)
         self.graph, self.tensors, self.out, self.cudnn = g, t, o, cudnn
 
-    def run(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        t = self.tensors
+    def run(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            ops: _Buffers | None = None) -> None:
+        """One launch on ``ops`` (this graph's own operands unless given: another set from ``nth``)."""
+        t, ops = self.tensors, ops or self
         execute(self.cudnn, self.handle, self.graph,
-                {t["q"]: q, t["k"]: k_cache, t["v"]: v_cache, t["table"]: self.table, t["seq_q"]: self.seq_q,
-                 t["seq_kv"]: self.seq_kv, t["q_off"]: self.q_offsets, t["o_off"]: self.o_offsets, self.out: out},
+                {t["q"]: q, t["k"]: k_cache, t["v"]: v_cache, t["table"]: ops.table, t["seq_q"]: ops.seq_q,
+                 t["seq_kv"]: ops.seq_kv, t["q_off"]: ops.q_offsets, t["o_off"]: ops.o_offsets, self.out: out},
                 self.workspace)
 
 
@@ -108,16 +121,21 @@ _GRAPHS: dict[tuple, _Graph | None] = {}  # launch shape -> built graph (None: c
 DECLINED: dict[tuple, str] = {}  # launch shape -> why cuDNN declined it
 
 
-def launch_shape(q, k_cache, meta: AttentionMetadata, rows: int | None = None,
-                 max_pages: int | None = None) -> tuple[int, int, int]:
-    """(sequences, row bound, table width) of this step's launch, from host values only: the table is as wide as
-    the pool unless ``max_pages`` says otherwise (benchmarks)."""
-    return meta.num_seqs, rows or row_bound(meta.max_q_len), max_pages or k_cache.shape[0]
+def launch_shapes(q, k_cache, meta: AttentionMetadata, rows: int | None = None, max_pages: int | None = None,
+                  together: bool = False) -> list[tuple[int, int, int]]:
+    """(sequences, row bound, table width) of each of this step's launches, from host values only: one launch a
+    sequence, or with ``together`` one for the whole step. The table is as wide as the pool unless ``max_pages``
+    says otherwise, the row bound ``rows`` or the power of two above the sequence's queries (benchmarks set them)."""
+    pages = max_pages or k_cache.shape[0]
+    if together:
+        return [(meta.num_seqs, rows or row_bound(meta.max_q_len), pages)]
+    cu = meta.cu_seqlens_q_host
+    return [(1, rows or row_bound(b - a), pages) for a, b in zip(cu, cu[1:])]
 
 
-def _graph_for(q, k_cache, o_token_stride: int, meta, scale, rows=None, max_pages=None) -> tuple[_Graph | None, str]:
-    """The built graph for this step's launch shape (built now if new), or None and why cuDNN declined it."""
-    B, R, pages = launch_shape(q, k_cache, meta, rows, max_pages)
+def _graph_for(q, k_cache, o_token_stride: int, shape: tuple[int, int, int], scale) -> tuple[_Graph | None, str]:
+    """The built graph for this launch shape (built now if new), or None and why cuDNN declined it."""
+    B, R, pages = shape
     H, D, Hkv = q.shape[1], q.shape[2], k_cache.shape[2]
     key = (q.device.index, q.dtype, B, H, Hkv, R, D, q.stride(0), o_token_stride, tuple(k_cache.shape),
            tuple(k_cache.stride()), pages, float(scale))
@@ -130,15 +148,26 @@ def _graph_for(q, k_cache, o_token_stride: int, meta, scale, rows=None, max_page
     return _GRAPHS[key], DECLINED.get(key, "")
 
 
-def fill(buffers: _Buffers, meta: AttentionMetadata, q_token_stride: int, o_token_stride: int) -> None:
-    """The step's table, lengths and row offsets into the launch's buffers (device copies, no host wait)."""
+def fill(buffers: _Buffers, meta: AttentionMetadata, q_token_stride: int, o_token_stride: int,
+         seq: int | None = None) -> None:
+    """The step's table, lengths and row offsets into the launch's buffers (device copies, no host wait): every
+    sequence's, or sequence ``seq``'s alone (a launch of its own, its rows from q's and out's first)."""
     bt = meta.block_tables
-    buffers.table[:, 0, :bt.shape[1], 0] = bt
     cu = meta.cu_seqlens_q
-    buffers.seq_q.view(-1).copy_(cu[1:] - cu[:-1])
-    buffers.seq_kv.view(-1).copy_(meta.context_lens)
-    buffers.q_offsets.view(-1).copy_(cu * q_token_stride)
-    buffers.o_offsets.view(-1).copy_(cu * o_token_stride)
+    if seq is None:
+        buffers.table[:, 0, :bt.shape[1], 0] = bt
+        buffers.seq_q.view(-1).copy_(cu[1:] - cu[:-1])
+        buffers.seq_kv.view(-1).copy_(meta.context_lens)
+        buffers.q_offsets.view(-1).copy_(cu * q_token_stride)
+        buffers.o_offsets.view(-1).copy_(cu * o_token_stride)
+        return
+    n = meta.cu_seqlens_q_host[seq + 1] - meta.cu_seqlens_q_host[seq]
+    buffers.table[:, 0, :bt.shape[1], 0] = bt[seq:seq + 1]
+    buffers.seq_q.fill_(n)
+    buffers.seq_kv.view(-1).copy_(meta.context_lens[seq:seq + 1])
+    for offsets, stride in ((buffers.q_offsets, q_token_stride), (buffers.o_offsets, o_token_stride)):
+        offsets.view(-1)[:1].fill_(0)
+        offsets.view(-1)[1:].fill_(n * stride)
 
 
 class _Tails:
@@ -177,9 +206,10 @@ def serves(q, k_cache, v_cache, meta: AttentionMetadata, sliding_window=None, si
             and k_cache.stride() == v_cache.stride() and sliding_window is None and sinks is None and softcap is None):
         return False
     H, D = q.shape[1], q.shape[2]
-    if H % k_cache.shape[2] or D % 8 or D > 128 or q.stride(2) != 1 or q.stride(1) != D:
+    # (a sequence's rows start where it does in q and out: token strides of whole 16 bytes keep them aligned)
+    if H % k_cache.shape[2] or D % 8 or D > 128 or q.stride(2) != 1 or q.stride(1) != D or q.stride(0) % 8:
         return False
-    if out is not None and (out.stride(2) != 1 or out.stride(1) != D):
+    if out is not None and (out.stride(2) != 1 or out.stride(1) != D or out.stride(0) % 8):
         return False
     cu = meta.cu_seqlens_q_host
     return min(b - a for a, b in zip(cu, cu[1:])) >= MIN_QUERIES
@@ -193,36 +223,47 @@ def supported(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_windo
         return False
     # (chunk_attention's own out is packed: H * D a token)
     o_token_stride = q.shape[1] * q.shape[2] if out is None else out.stride(0)
-    return _graph_for(q, k_cache, o_token_stride, meta, scale)[0] is not None
+    return all(_graph_for(q, k_cache, o_token_stride, shape, scale)[0] is not None
+               for shape in set(launch_shapes(q, k_cache, meta)))
 
 
 def chunk_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None, sinks=None,
                     softcap=None, out=None, rows: int | None = None, max_pages: int | None = None,
-                    executor=None) -> torch.Tensor:
+                    together: bool = False, executor=None) -> torch.Tensor:
     """q: [T, H, Dh] (each sequence's rows in order, at least ``MIN_QUERIES`` each); caches [P, S, Hkv, Dh] ->
-    out [T, H, Dh]. ``rows`` / ``max_pages``: the graph's bounds, when not the defaults (benchmarks).
-    ``executor``: what runs the launch on its buffers (cuDNN unless given; tests pass ``ChunkReference``)."""
+    out [T, H, Dh]. One launch a sequence, each with the graph of one sequence at its row bound: a step of
+    several sequences builds no graph of its own (75-85 ms on an H100, on the served step that first met its
+    count of sequences and bound), and a launch of 512+ queries is long enough that one more costs little.
+    ``together``: one launch for the step (benchmarks). ``rows`` / ``max_pages``: the graphs' bounds, when not the defaults (benchmarks).
+    ``executor``: what runs a launch on its buffers (cuDNN unless given; tests pass ``ChunkReference``)."""
     assert sliding_window is None and sinks is None and softcap is None
     out = q.new_empty(q.shape) if out is None else out
-    # the step's table, lengths and offsets are filled once, at its first layer (later layers reuse them)
+    # the step's tables, lengths and offsets are filled once, at its first layer (later layers reuse them)
     key = ("chunk", tuple(q.shape), q.stride(0), out.stride(0), q.dtype, tuple(k_cache.shape), float(scale), rows,
-           max_pages)
-    graph, tails = meta.plans.get(key, (None, None))
-    if graph is None:
-        if executor is not None:
-            graph = executor.graph_for(q, k_cache, meta, rows, max_pages)
-        else:
-            graph, why = _graph_for(q, k_cache, out.stride(0), meta, scale, rows, max_pages)
-            if graph is None:
-                raise RuntimeError(f"cuDNN declined this chunk's attention: {why}")
-        fill(graph, meta, q.stride(0), out.stride(0))
+           max_pages, together)
+    launches, tails = meta.plans.get(key, (None, None))
+    if launches is None:
+        launches, used = [], {}
+        cu = meta.cu_seqlens_q_host
+        for i, shape in enumerate(launch_shapes(q, k_cache, meta, rows, max_pages, together)):
+            if executor is not None:
+                graph = executor.graph_for(q, k_cache, shape)
+            else:
+                graph, why = _graph_for(q, k_cache, out.stride(0), shape, scale)
+                if graph is None:
+                    raise RuntimeError(f"cuDNN declined this chunk's attention: {why}")
+            ops = graph.nth(used.get(id(graph), 0))  # (two sequences of one bound: two sets of operands)
+            used[id(graph)] = used.get(id(graph), 0) + 1
+            fill(ops, meta, q.stride(0), out.stride(0), None if together else i)
+            launches.append((graph, ops, slice(None) if together else slice(cu[i], cu[i + 1])))
         tails = _Tails(meta, k_cache.shape[1])
-        meta.plans[key] = graph, tails
+        meta.plans[key] = launches, tails
     tails.zero(k_cache, v_cache)
-    if executor is None:
-        graph.run(q, out, k_cache, v_cache)
-    else:
-        executor(graph, q, out, k_cache, v_cache, scale)
+    for graph, ops, rows_of in launches:
+        if executor is None:
+            graph.run(q[rows_of], out[rows_of], k_cache, v_cache, ops)
+        else:
+            executor(ops, q[rows_of], out[rows_of], k_cache, v_cache, scale)
     return out
 
 
@@ -231,8 +272,8 @@ class ChunkReference:
     cuDNN's masks as documented (padding by lengths, causal aligned bottom-right): the check of ``fill`` and of the
     offsets' units on machines without cuDNN; the GPU tests hold cuDNN to the same reference."""
 
-    def graph_for(self, q, k_cache, meta: AttentionMetadata, rows=None, max_pages=None) -> _Buffers:
-        B, _, pages = launch_shape(q, k_cache, meta, rows, max_pages)
+    def graph_for(self, q, k_cache, shape: tuple[int, int, int]) -> _Buffers:
+        B, _, pages = shape
         return _Buffers(q.device, B, pages)
 
     def __call__(self, g: _Buffers, q, out, k_cache, v_cache, scale: float) -> None:
@@ -252,5 +293,5 @@ class ChunkReference:
             out[o0:o0 + n] = torch.einsum("hnk,khd->nhd", p, v).to(out.dtype)
 
 
-__all__ = ["MIN_QUERIES", "ChunkReference", "available", "chunk_attention", "fill", "launch_shape", "row_bound",
+__all__ = ["MIN_QUERIES", "ChunkReference", "available", "chunk_attention", "fill", "launch_shapes", "row_bound",
            "serves", "supported"]

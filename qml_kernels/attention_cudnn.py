@@ -52,10 +52,13 @@ def padded_length(L: int, bucket: int | None = None) -> int:
     return -(-L // bucket) * bucket
 
 
-def query_slack_rows(T: int) -> int:
-    """Rows a model may allocate after a step's ``T`` query rows so that the last sequence's padded rows
-    can be read in place (no copy of q): none for steps too short for this path."""
-    return CUDNN_BUCKET - 1 if T >= CUDNN_MIN_TOKENS else 0
+def query_slack_rows(meta: AttentionMetadata) -> int:
+    """Rows a model may allocate after a step's query rows so that the last sequence's padded rows can be read
+    in place (no copy of q): none for steps this path does not take. Those keep q where the projection put it:
+    a chunk over cached context of 4,096+ rows read the slack buffer, whose token stride is another than the
+    fused QKV projection's, and so another of ``attention_chunk``'s graphs (built on a served step, ~70 ms)."""
+    fresh = max(meta.context_lens_host, default=0) >= CUDNN_MIN_TOKENS and is_fresh_prefill(meta)
+    return CUDNN_BUCKET - 1 if fresh else 0
 
 
 @functools.cache

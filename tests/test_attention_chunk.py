@@ -14,7 +14,7 @@ import torch
 
 from qml_kernels import attention_chunk, registry
 from qml_kernels.attention import paged_attention, paged_attention_ref
-from qml_kernels.attention_chunk import ChunkReference, chunk_attention, launch_shape, row_bound, serves
+from qml_kernels.attention_chunk import ChunkReference, chunk_attention, launch_shapes, row_bound, serves
 from qml_kernels.attention_prefill import PAGED_PREFILL_ATTENTION_SPEC
 from qml_kernels.workbench.spec import Case
 
@@ -49,16 +49,42 @@ def _guarded_out(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def test_row_bounds_are_powers_of_two_and_tables_as_wide_as_the_pool():
     assert [row_bound(n) for n in (1, 512, 513, 6784, 27648)] == [512, 512, 1024, 8192, 32768]
     x = _inputs(CASES[1], torch.float16, torch.device("cpu"))
-    assert launch_shape(x["q"], x["k_cache"], x["meta"]) == (3, 512, x["k_cache"].shape[0])
+    pages = x["k_cache"].shape[0]
+    assert launch_shapes(x["q"], x["k_cache"], x["meta"]) == [(1, 512, pages)] * 3  # one launch a sequence
+    assert launch_shapes(x["q"], x["k_cache"], x["meta"], together=True) == [(3, 512, pages)]
+    long = Case("long", {"seqs": ((600, 900), (512, 512), (1100, 1100)), "H": 4, "Hkv": 2, "Dh": 64})
+    y = _inputs(long, torch.float16, torch.device("cpu"))
+    pages = y["k_cache"].shape[0]
+    assert launch_shapes(y["q"], y["k_cache"], y["meta"]) == [(1, 1024, pages), (1, 512, pages), (1, 2048, pages)]
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["a-launch-a-sequence", "one-launch"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_reference_launch_matches_paged_attention(case):
+def test_reference_launch_matches_paged_attention(case, together):
     x = _inputs(case, torch.float32, torch.device("cpu"))
     guard, out = _guarded_out(x)
-    chunk_attention(**x, out=out, executor=ChunkReference())
+    chunk_attention(**x, out=out, together=together, executor=ChunkReference())
     torch.testing.assert_close(out, _expected(x), atol=2e-5, rtol=2e-5)
     assert (guard[out.shape[0]:] == 7.0).all(), "rows after the step's were written"
+
+
+def test_sequences_of_one_bound_share_its_graph_each_with_its_own_operands():
+    x = _inputs(CASES[1], torch.float32, torch.device("cpu"))  # three sequences, one row bound (512)
+
+    class OneGraph(ChunkReference):
+        built = []
+
+        def graph_for(self, q, k_cache, shape):
+            if not self.built:
+                self.built.append(super().graph_for(q, k_cache, shape))
+            return self.built[0]
+
+    executor = OneGraph()
+    out = chunk_attention(**x, executor=executor)
+    (launches, _), = x["meta"].plans.values()
+    assert len(launches) == 3 and len({id(ops) for _, ops, _ in launches}) == 3
+    assert launches[0][1] is executor.built[0]
+    torch.testing.assert_close(out, _expected(x), atol=2e-5, rtol=2e-5)
 
 
 def test_only_the_slots_past_each_sequence_on_its_last_page_are_zeroed():
@@ -113,6 +139,9 @@ def test_serves_only_long_chunks_without_window_sinks_or_softcap():
     wide = Case("d256", {"seqs": ((512, 700),), "H": 4, "Hkv": 2, "Dh": 256})
     w = _inputs(wide, torch.float16, torch.device("cpu"))
     assert not serves(w["q"], w["k_cache"], w["v_cache"], w["meta"]), "head dim 256"
+    T = x["q"].shape[0]
+    odd = torch.zeros(T, 4 * 64 + 4, dtype=torch.float16)[:, :4 * 64].view(T, 4, 64)  # a token stride of 260
+    assert not serves(odd, *args[1:]), "a sequence's rows not 16-byte aligned"
     assert not attention_chunk.supported(*args, x["scale"]), "CPU tensors"
 
 

@@ -10,6 +10,8 @@ padded key that reached a real row shows; and the shapes cuDNN is asked for (one
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,8 +77,16 @@ def test_padded_length_rounds_up_to_the_bucket():
 
 
 def test_query_slack_only_for_steps_this_path_takes():
-    assert query_slack_rows(attention_cudnn.CUDNN_MIN_TOKENS - 1) == 0
-    assert query_slack_rows(attention_cudnn.CUDNN_MIN_TOKENS) == attention_cudnn.CUDNN_BUCKET - 1
+    def meta(cu, lens):
+        return SimpleNamespace(cu_seqlens_q_host=cu, context_lens_host=lens)
+
+    N = attention_cudnn.CUDNN_MIN_TOKENS
+    assert query_slack_rows(meta([0, N - 1], [N - 1])) == 0  # too short
+    assert query_slack_rows(meta([0, N], [N])) == attention_cudnn.CUDNN_BUCKET - 1
+    assert query_slack_rows(meta([0, 600, 600 + N], [600, N])) == attention_cudnn.CUDNN_BUCKET - 1
+    # a chunk over cached context keeps q in the projection's buffer (attention_chunk's graphs by its stride)
+    assert query_slack_rows(meta([0, N], [N + 8192])) == 0
+    assert query_slack_rows(meta([0, 600, 600 + N], [600 + 100, N])) == 0
 
 
 @pytest.mark.parametrize("lengths", [[37], [64], [5, 70, 33], [2, 3]])

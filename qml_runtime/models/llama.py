@@ -104,7 +104,7 @@ class LlamaModel(nn.Module):
         residual = None
         # a long prompt's rotated q goes to a buffer with rows to spare after it: cuDNN attends each prompt at
         # its length rounded up to a bucket and reads the padded rows there instead of from a copy
-        slack = query_slack_rows(T) if h.is_cuda else 0
+        slack = query_slack_rows(meta) if h.is_cuda else 0
         for i, layer in enumerate(self.layers):
             if residual is None:
                 x, residual = rmsnorm(h, layer.attn_norm, cfg.rms_eps), h
