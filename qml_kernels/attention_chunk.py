@@ -28,8 +28,9 @@ its row bound, so that no count of sequences or mix of bounds is a new shape to 
 every stream (``together``, one launch for the step, stays for benchmarks: 9-18% faster on two or three sequences
 with a fresh prompt among them, 8% slower on two similar ones, ``results/chunk-launches-h100-2026-12-06.md``). The
 row bound is a power of two from ``MIN_QUERIES``, and every table is as wide as the pool (a page can be anywhere in
-it), so that a process builds a handful: bounds above the step's lengths cost nothing measurable there (16,400 queries over 16,000 keys
-11.34 ms at 32,768 rows, 12.31 at 16,512; 6,784 over 21,504 4.73 ms with a 65,536-page table, 4.75 with 2,048).
+it), so that a process builds a handful: bounds above the step's lengths cost nothing measurable there (16,400
+queries over 16,000 keys 11.34 ms at 32,768 rows, 12.31 at 16,512; 6,784 over 21,504 4.73 ms with a 65,536-page
+table, 4.75 with 2,048).
 ``qml_runtime.warmup`` runs the common ones before the first request; another is built when a step first needs it.
 
 What the step's layers share, filled at its first layer: the block tables in a pool-wide table's first columns,
@@ -152,22 +153,14 @@ def fill(buffers: _Buffers, meta: AttentionMetadata, q_token_stride: int, o_toke
          seq: int | None = None) -> None:
     """The step's table, lengths and row offsets into the launch's buffers (device copies, no host wait): every
     sequence's, or sequence ``seq``'s alone (a launch of its own, its rows from q's and out's first)."""
-    bt = meta.block_tables
-    cu = meta.cu_seqlens_q
-    if seq is None:
-        buffers.table[:, 0, :bt.shape[1], 0] = bt
-        buffers.seq_q.view(-1).copy_(cu[1:] - cu[:-1])
-        buffers.seq_kv.view(-1).copy_(meta.context_lens)
-        buffers.q_offsets.view(-1).copy_(cu * q_token_stride)
-        buffers.o_offsets.view(-1).copy_(cu * o_token_stride)
-        return
-    n = meta.cu_seqlens_q_host[seq + 1] - meta.cu_seqlens_q_host[seq]
-    buffers.table[:, 0, :bt.shape[1], 0] = bt[seq:seq + 1]
-    buffers.seq_q.fill_(n)
-    buffers.seq_kv.view(-1).copy_(meta.context_lens[seq:seq + 1])
-    for offsets, stride in ((buffers.q_offsets, q_token_stride), (buffers.o_offsets, o_token_stride)):
-        offsets.view(-1)[:1].fill_(0)
-        offsets.view(-1)[1:].fill_(n * stride)
+    rows = slice(None) if seq is None else slice(seq, seq + 1)
+    cu = meta.cu_seqlens_q if seq is None else meta.cu_seqlens_q[seq:seq + 2] - meta.cu_seqlens_q[seq]
+    bt = meta.block_tables[rows]
+    buffers.table[:, 0, :bt.shape[1], 0] = bt
+    buffers.seq_q.view(-1).copy_(cu[1:] - cu[:-1])
+    buffers.seq_kv.view(-1).copy_(meta.context_lens[rows])
+    buffers.q_offsets.view(-1).copy_(cu * q_token_stride)
+    buffers.o_offsets.view(-1).copy_(cu * o_token_stride)
 
 
 class _Tails:
@@ -234,7 +227,8 @@ def chunk_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding
     out [T, H, Dh]. One launch a sequence, each with the graph of one sequence at its row bound: a step of
     several sequences builds no graph of its own (75-85 ms on an H100, on the served step that first met its
     count of sequences and bound), and a launch of 512+ queries is long enough that one more costs little.
-    ``together``: one launch for the step (benchmarks). ``rows`` / ``max_pages``: the graphs' bounds, when not the defaults (benchmarks).
+    ``together``: one launch for the step (benchmarks). ``rows`` / ``max_pages``: the graphs' bounds, when not
+    the defaults (benchmarks).
     ``executor``: what runs a launch on its buffers (cuDNN unless given; tests pass ``ChunkReference``)."""
     assert sliding_window is None and sinks is None and softcap is None
     out = q.new_empty(q.shape) if out is None else out
@@ -243,7 +237,7 @@ def chunk_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding
            max_pages, together)
     launches, tails = meta.plans.get(key, (None, None))
     if launches is None:
-        launches, used = [], {}
+        launches = []
         cu = meta.cu_seqlens_q_host
         for i, shape in enumerate(launch_shapes(q, k_cache, meta, rows, max_pages, together)):
             if executor is not None:
@@ -252,8 +246,8 @@ def chunk_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding
                 graph, why = _graph_for(q, k_cache, out.stride(0), shape, scale)
                 if graph is None:
                     raise RuntimeError(f"cuDNN declined this chunk's attention: {why}")
-            ops = graph.nth(used.get(id(graph), 0))  # (two sequences of one bound: two sets of operands)
-            used[id(graph)] = used.get(id(graph), 0) + 1
+            # (two sequences of one bound: two sets of operands for its graph)
+            ops = graph.nth(sum(g is graph for g, _, _ in launches))
             fill(ops, meta, q.stride(0), out.stride(0), None if together else i)
             launches.append((graph, ops, slice(None) if together else slice(cu[i], cu[i + 1])))
         tails = _Tails(meta, k_cache.shape[1])

@@ -1,8 +1,8 @@
 """Kept blocks stay findable while the disk is behind (hypothesis state machine, CPU).
 
 Requests end and keep their pages (``persist``) in a host tier of two rows (or none) over a disk whose writer
-writes only when a rule lets it (a disk that is behind: the writer's queue is drained a few items at a time). In any order of
-those and of restores, every block handed to the tiers is found in some tier (host RAM, a file, or the writer's
+writes only when a rule lets it (a disk that is behind: the writer's queue is drained a few items at a time). In
+any order of those and of restores, every block handed to the tiers is found in some tier (host RAM, a file, or the writer's
 own copy before its file lands: ``DiskWriter.copy_of``), and a restore, from host RAM or as a disk load, puts
 exactly that block's bytes into the page.
 """

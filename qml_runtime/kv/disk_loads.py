@@ -102,22 +102,28 @@ def _file_tokens(packed: bytes) -> bytes:
     return packed if sys.byteorder == "little" else np.frombuffer(packed, np.uint32).astype("<u4").tobytes()
 
 
-def _copy_in(out: torch.Tensor, held: tuple) -> None:
+def _copy_in(out: torch.Tensor, held: tuple) -> bool:
     """A block the disk writer holds (``DiskWriter.copy_of``: its bytes, and the event after which they are
-    valid) into a host row. Gathered pages are on the device: copied on a side stream (the default stream
-    would wait for the compute stream's steps), done before this returns."""
+    valid) into a host row; False when the copy failed (a restore is a cache read: a miss). Gathered pages are
+    on the device: copied on a side stream (the default stream would wait for the compute stream's steps),
+    done before this returns."""
     data, ready = held
-    if not data.is_cuda:
-        if ready is not None:  # (a copy down into it)
-            ready.synchronize()
-        out.copy_(data)
-        return
-    stream = torch.cuda.Stream(data.device)
-    if ready is not None:
-        stream.wait_event(ready)
-    with torch.cuda.stream(stream):
-        out.copy_(data, non_blocking=True)
-    stream.synchronize()
+    try:
+        if not data.is_cuda:
+            if ready is not None:  # (a copy down into it)
+                ready.synchronize()
+            out.copy_(data)
+            return True
+        stream = torch.cuda.Stream(data.device)
+        if ready is not None:
+            stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            out.copy_(data, non_blocking=True)
+        stream.synchronize()
+        return True
+    except Exception:
+        log.exception("restore: a block held by the disk writer could not be copied")
+        return False
 
 
 class DiskLoads:
@@ -210,14 +216,6 @@ class DiskLoads:
     def _landed(self, load: PendingLoad, landing: _Landing, done: Future, i: int, result: tuple) -> None:
         """One block's read ended in the reader process (its listener thread; or here, for a block not sent)."""
         _, status, file_bytes, kv_bytes, ino, t0, t1, reason = result
-        if status == "copied":  # from the writer's copy: it landed, and it says nothing of the disk's rate
-            with landing.lock:
-                landing.ok[i] = True
-                landing.left -= 1
-                last = landing.left == 0
-            if last:
-                self._reads_landed(landing, done)
-            return
         if status == "ok":
             self.disk.note_read(load.names[i], file_bytes, kv_bytes)
         elif status in ("corrupt", "gone"):
@@ -225,31 +223,24 @@ class DiskLoads:
         elif status == "error":
             log.warning("disk reader process: block %s not read: %s", load.names[i].hex()[:16], reason)
         with landing.lock:
-            landing.ok[i] = status == "ok"
+            # ("copied": from the writer's copy, which landed and says nothing of the disk's rate)
+            landing.ok[i] = status in ("ok", "copied")
             if status == "ok":
                 landing.first, landing.last = min(landing.first, t0), max(landing.last, t1)
                 landing.kv_bytes += kv_bytes
             landing.left -= 1
             last = landing.left == 0
         if last:
-            self._reads_landed(landing, done)
-
-    def _reads_landed(self, landing: _Landing, done: Future) -> None:
-        self._writer.reads_done()
-        if landing.kv_bytes and landing.last > landing.first:
-            self.planner.observe("disk", landing.kv_bytes, landing.last - landing.first)
-        done.set_result(dict(landing.ok))
+            self._writer.reads_done()
+            if landing.kv_bytes and landing.last > landing.first:
+                self.planner.observe("disk", landing.kv_bytes, landing.last - landing.first)
+            done.set_result(dict(landing.ok))
 
     def _copy_held(self, held: tuple, slot: int, landed) -> None:
         """Loader thread: a block the disk writer still holds (``DiskWriter.copy_of``) into its host slot, then
         ``landed`` is told, as for a read."""
-        status = "copied"
-        try:
-            _copy_in(self.host.slots[slot], held)
-        except Exception:  # (a restore is a cache read: a failure is a miss)
-            log.exception("restore: a block held by the disk writer could not be copied")
-            status = "error"
-        landed((None, status, 0, 0, None, 0.0, 0.0, "copy failed"))
+        copied = _copy_in(self.host.slots[slot], held)
+        landed((None, "copied" if copied else "error", 0, 0, None, 0.0, 0.0, "copy failed"))
 
     def cut_load(self, load: PendingLoad) -> bool:
         """``load``'s sequence has computed everything before it and the reads are not all in: when computing the
@@ -306,11 +297,7 @@ class DiskLoads:
                 if not ok[i] and not self.disk.contains(name):  # its file not written yet: the writer's copy
                     held = self._writer.copy_of(name, toks)
                     if held is not None:
-                        try:
-                            _copy_in(out, held)
-                            ok[i] = True
-                        except Exception:  # (a restore is a cache read: a failure is a miss)
-                            log.exception("restore: a block held by the disk writer could not be copied")
+                        ok[i] = _copy_in(out, held)
                     elif self.disk.contains(name):  # (or written just now)
                         ok[i] = self.disk.get_into(name, unpack(toks), out)
                 if not ok[i]:

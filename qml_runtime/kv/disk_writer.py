@@ -258,8 +258,7 @@ class DiskWriter:
             with self._lock:
                 if self._borrowed.get(block.name) is block:
                     del self._borrowed[block.name]
-                if self._owned.get(block.name) is block:  # (in its file now, or failed: a miss)
-                    del self._owned[block.name]
+                self._disown(block)
                 self.pending_bytes -= block.data.numel()
                 block.writing = False
                 self._block_done.notify_all()
@@ -290,7 +289,8 @@ class DiskWriter:
             if not staging.is_cuda:
                 for i, row in enumerate(rows):
                     self._write_one(row.name, row.tokens, staging[i], row.parent)
-                    self._forget(row)
+                    with self._lock:
+                        self._disown(row)
                 return
             local = self._local
             if getattr(local, "bounce", None) is None:
@@ -304,17 +304,17 @@ class DiskWriter:
                 for j in range(n):
                     row = rows[i + j]
                     self._write_one(row.name, row.tokens, local.bounce[j], row.parent)
-                    self._forget(row)
+                    with self._lock:
+                        self._disown(row)
         finally:
             with self._lock:
                 self.pending_bytes -= staging.numel()
                 for row in rows:  # (those not written: a failure)
-                    if self._owned.get(row.name) is row:
-                        del self._owned[row.name]
+                    self._disown(row)
             del staging, rows
 
-    def _forget(self, row: _Block) -> None:
-        """A row's write ended: its file is there (or failed, a miss); ``copy_of`` no longer hands it out."""
-        with self._lock:
-            if self._owned.get(row.name) is row:
-                del self._owned[row.name]
+    def _disown(self, block: _Block) -> None:
+        """(Under the lock) ``block``'s write ended: its file is there (or failed, a miss), so ``copy_of`` no
+        longer hands its bytes out (a newer block of the same name stays)."""
+        if self._owned.get(block.name) is block:
+            del self._owned[block.name]
