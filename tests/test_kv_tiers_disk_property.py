@@ -2,9 +2,9 @@
 
 Requests end and keep their pages (``persist``) in a host tier of two rows (or none) over a disk whose writer
 writes only when a rule lets it (a disk that is behind: the writer's queue is drained a few items at a time). In
-any order of those and of restores, every block handed to the tiers is found in some tier (host RAM, a file, or the writer's
-own copy before its file lands: ``DiskWriter.copy_of``), and a restore, from host RAM or as a disk load, puts
-exactly that block's bytes into the page.
+any order of those and of restores, every block handed to the tiers is found in some tier (host RAM, a file, or the
+writer's own copy before its file lands: ``DiskWriter.copy_of``), and a restore, from host RAM or as a disk load,
+puts exactly that block's bytes into the page.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from qml_runtime.kv import disk_loads
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.disk_store import DiskStore
-from qml_runtime.kv.disk_writer import DiskWriter
 from qml_runtime.kv.host_tier import HostTier
 from qml_runtime.kv.prefix import as_packed
 from qml_runtime.kv.tiers import KVTiers
 from qml_runtime.presets import PRESETS
+from tests.test_write_from_host import _stalled_writer, _working_writer
 
 PAGES, HOST_SLOTS, BLOCK = 4, 2, 4
 
@@ -50,8 +50,7 @@ class DiskTiersMachine(RuleBasedStateMachine):
         disk = DiskStore(self.dir, b"f" * 32, budget_bytes=2**30)
         host = HostTier(self.kv.row_bytes, self.HOST_SLOTS * self.kv.row_bytes, pin=False) if self.HOST_SLOTS else None
         self.tiers = KVTiers(self.kv, host, disk)
-        self.tiers._writer.close()
-        self.writer = self.tiers._writer = DiskWriter(disk, self.tiers.row_bytes, self.tiers.stats, threads=0)
+        self.writer = _stalled_writer(self.tiers)
         self.kept: list[int] = []
         self.next_block = 1
 
@@ -112,7 +111,7 @@ class DiskTiersMachine(RuleBasedStateMachine):
     def teardown(self):
         try:
             self._write(None)
-            self.tiers._writer = DiskWriter(self.tiers.disk, self.tiers.row_bytes, self.tiers.stats)
+            _working_writer(self.tiers)
             self.tiers.close()
         finally:
             disk_loads.READER = self._reader

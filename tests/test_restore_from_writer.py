@@ -8,7 +8,6 @@ index). Now ``locate`` calls such a block "disk", and the load takes its bytes f
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -23,21 +22,13 @@ from qml_runtime.kv.prefix import pack
 from qml_runtime.kv.tiers import KVTiers
 from qml_runtime.presets import PRESETS
 from tests.test_kv_tiers import GREEDY, expected, sibling, turns  # noqa: F401 (expected: a fixture)
+from tests.test_write_from_host import _run, _stalled_writer, _working_writer
 
 BLOCK = 64
 
 
 def _name(i: int) -> bytes:
     return b"name%04d" % i * 4
-
-
-def _run(writer: DiskWriter) -> None:
-    """Write what a thread-less writer holds, then stop."""
-    thread = threading.Thread(target=writer._loop, daemon=True)
-    thread.start()
-    writer.join()
-    writer._queue.put(None)
-    thread.join(timeout=30)
 
 
 def test_the_writer_hands_out_its_own_copies_until_their_files_land(tmp_path):
@@ -91,7 +82,7 @@ def test_blocks_evicted_from_host_ram_before_their_files_land_are_restored(tmp_p
         _run(writer)
         assert all(disk.contains(n) for _, n, _, _ in blocks) and tiers.stats.written_disk == 4
     finally:
-        tiers._writer = DiskWriter(disk, tiers.row_bytes, tiers.stats)  # (the stopped one cannot close)
+        _working_writer(tiers)
         tiers.close()
 
 
@@ -115,7 +106,7 @@ def test_pages_spilled_straight_to_the_writer_are_restored_before_their_files_la
         _run(writer)
         assert all(disk.contains(n) for n in names) and writer.copy_of(names[0], blocks[0][2]) is None
     finally:
-        tiers._writer = DiskWriter(disk, tiers.row_bytes, tiers.stats)
+        _working_writer(tiers)
         tiers.close()
 
 
@@ -127,8 +118,7 @@ def _tiers(tmp_path, device: str, host_slots: int) -> KVTiers:
     disk = DiskStore(tmp_path, b"f" * 32, budget_bytes=2**30)
     host = HostTier(kv.block_bytes, host_slots * kv.block_bytes, pin=device == "cuda") if host_slots else None
     tiers = KVTiers(kv, host, disk)
-    tiers._writer.close()
-    tiers._writer = DiskWriter(disk, tiers.row_bytes, tiers.stats, threads=0)
+    _stalled_writer(tiers)
     return tiers
 
 
@@ -138,8 +128,7 @@ def test_a_turn_while_its_history_waits_for_the_disk_is_served_from_the_writers_
     eng = sibling(engine, num_blocks=10, host_bytes=host_blocks * engine.kv.block_bytes, disk_dir=str(tmp_path),
                   disk_bytes=2**30)  # 160 tokens of GPU pages
     tiers = eng.tiers
-    tiers._writer.close()
-    writer = tiers._writer = DiskWriter(tiers.disk, tiers.row_bytes, tiers.stats, threads=0)  # a disk that is behind
+    writer = _stalled_writer(tiers)
     try:
         ids2, cacheable = turns(eng)
         for q in ("Describe the sea.", "What is a prime number?", "Tell me about Paris."):
@@ -150,6 +139,6 @@ def test_a_turn_while_its_history_waits_for_the_disk_is_served_from_the_writers_
         assert tiers.stats.restored_disk > 0 and out.token_ids == expected
     finally:
         _run(writer)
-        tiers._writer = DiskWriter(tiers.disk, tiers.row_bytes, tiers.stats)  # (the stopped one cannot close)
+        _working_writer(tiers)
         eng.shutdown()
     assert tiers.stats.written_disk > 0

@@ -65,18 +65,25 @@ def test_kept_pages_are_written_from_their_host_rows_without_a_device_gather(tmp
 
 
 def _stalled_writer(tiers: KVTiers) -> DiskWriter:
-    """The tiers' writer swapped for one with no threads: what is handed over stays queued."""
+    """The tiers' writer swapped for one with no threads: what is handed over stays queued (a disk that is behind)."""
     tiers._writer.close()
-    tiers._writer = DiskWriter(tiers.disk, tiers.block_bytes, tiers.stats, threads=0)
+    tiers._writer = DiskWriter(tiers.disk, tiers.row_bytes, tiers.stats, threads=0)
     return tiers._writer
 
 
 def _run(writer: DiskWriter) -> None:
+    """Write what a thread-less writer holds, on a thread of its own, then stop it."""
     thread = threading.Thread(target=writer._loop, daemon=True)
     thread.start()
     writer.join()
     writer._queue.put(None)
     thread.join(timeout=30)
+
+
+def _working_writer(tiers: KVTiers) -> None:
+    """A writer with threads back in the stalled one's place, for ``close()`` (whose wait for the writes would never
+    end on a writer with none)."""
+    tiers._writer = DiskWriter(tiers.disk, tiers.row_bytes, tiers.stats)
 
 
 def test_a_host_row_reused_while_its_write_is_queued_keeps_the_old_bytes_for_the_disk(tmp_path):
@@ -88,7 +95,7 @@ def test_a_host_row_reused_while_its_write_is_queued_keeps_the_old_bytes_for_the
     tiers.persist(_kept([4]))  # evicts page 3's entry: the row takes page 4's bytes
     assert torch.equal(tiers.host.slots[0], want[4]) and tiers._host_writes._borrowed == {0: b"name0004" * 4}
     _run(writer)
-    tiers._writer = DiskWriter(tiers.disk, tiers.block_bytes, tiers.stats)  # for close()
+    _working_writer(tiers)
     for p in (3, 4):
         got = _on_disk(tiers, p)
         assert got is not None, f"page {p} not on disk"
