@@ -492,5 +492,43 @@ def test_a_probed_disk_rate_gives_way_to_the_first_restore_measured():
     assert planner.disk_bytes_per_s == 1.13e9 and "disk_bytes_per_s" not in planner.rates()  # (not saved)
     planner.observe("disk", 0.5e9, 1.0)  # the first restore: replaces the probe, not averaged with it
     assert planner.disk_bytes_per_s == 0.5e9 and planner.rates() == {"disk_bytes_per_s": 0.5e9}
-    planner.observe("disk", 1.0e9, 1.0)  # later ones are averaged in
+    planner.observe("disk", 1.0e9, 1.0)  # later ones are averaged in, a faster one at alpha
     assert planner.disk_bytes_per_s == pytest.approx(0.8 * 0.5e9 + 0.2 * 1.0e9)
+
+
+def test_a_faster_first_load_moves_the_probed_disk_rate_only_by_alpha():
+    planner = RestorePlanner()
+    planner.observe("disk", 1.51e9, 1.0, provisional=True)  # session 35's H100: the probe's 85%...
+    planner.observe("disk", 2.04e9, 1.0)  # ...and the first load after it, whose rate the next load did not get
+    assert planner.disk_bytes_per_s == pytest.approx(0.8 * 1.51e9 + 0.2 * 2.04e9)
+    assert planner.rates() == {"disk_bytes_per_s": planner.disk_bytes_per_s}  # a measurement now: saved
+
+
+def test_a_slower_disk_counts_more_than_a_faster_one():
+    planner = RestorePlanner()
+    planner.observe("disk", 1.0e9, 1.0)
+    planner.observe("disk", 0.6e9, 1.0)
+    assert planner.disk_bytes_per_s == pytest.approx(0.5 * 1.0e9 + 0.5 * 0.6e9)
+    planner.observe("disk", 1.2e9, 1.0)
+    assert planner.disk_bytes_per_s == pytest.approx(0.8 * 0.8e9 + 0.2 * 1.2e9)
+    planner.observe("host", 40e9, 1.0)  # the host copy's rate is averaged evenly both ways
+    planner.observe("host", 20e9, 1.0)
+    assert planner.host_bytes_per_s == pytest.approx(0.8 * 40e9 + 0.2 * 20e9)
+
+
+def test_a_disk_rate_too_high_costs_a_split_more_than_one_too_low():
+    """Why the disk's rate is learnt unevenly (``RestorePlanner.disk_alpha_down``): planned on a rate 18% above the
+    disk's, a split streams blocks the disk brings in late; 18% below, it recomputes a few the disk would have
+    brought in sooner, on a GPU that computes a token in less than half the time the disk reads it."""
+    true_rate, block_bytes, bt, n = 1.7e9, 2 << 20, 16, 1728  # a 27,648-token Llama-3.1-8B history
+
+    def actual_seconds(assumed: float) -> float:
+        planner = RestorePlanner(prefill_curve=[(1024, 0.03), (32768, 1.0)], disk_bytes_per_s=assumed)
+        plan = planner.plan(["disk"] * n, block_bytes, bt)
+        assert plan.kind == "split"
+        recompute = planner.prefill_seconds(0, plan.recompute * bt)
+        return max(recompute, plan.load * block_bytes / true_rate)
+
+    best = actual_seconds(true_rate)
+    too_high, too_low = actual_seconds(1.18 * true_rate) / best - 1, actual_seconds(true_rate / 1.18) / best - 1
+    assert 0 < too_low < too_high

@@ -69,9 +69,19 @@ class RestorePlanner:
     # measurement replaces a guess, later ones are averaged in
     measured: set = field(default_factory=set)
     # of those, the ones a probe measured (the disk's, read alone at start-up): the first measurement of the
-    # work itself replaces them, as it does a guess. On an H100 host the probe gave 1.13 GB/s (its 85%) and the
-    # restores after it read 0.5-0.8; averaged in at 0.2, the second turn was still planned at 0.84.
+    # work itself replaces them when it is slower, as it does a guess. On an H100 host the probe gave 1.13 GB/s
+    # (its 85%) and the restores after it read 0.5-0.8; averaged in at 0.2, the second turn was still planned at
+    # 0.84.
     provisional: set = field(default_factory=set)
+    # The disk's rate is learnt unevenly: a slower measurement moves it by ``disk_alpha_down``, a faster one by
+    # ``alpha`` (and a faster first load only by ``alpha`` from the probe). Why: a split ends when the later of
+    # its recompute and its reads does, and the reads' time per token (~73 us at 1.8 GB/s for Llama-3.1-8B) is
+    # ~2.3x the recompute's (~32 us), so streaming too much costs more than streaming too little: with the rate
+    # 18% too high the turn takes ~12% longer than the best split, 18% too low ~5% (a test has the sums). On
+    # H100s (session 35) a first load measured 1.87 and 2.04 GB/s against the probe's 1.51-1.54, replaced it,
+    # and the second turn, planned on it, took 663 and 687 ms against 613 and 584 estimated
+    # (sessions-h100-2026-12-06d.md).
+    disk_alpha_down: float = 0.5
 
     def observe(self, kind: str, amount: float, seconds: float, provisional: bool = False) -> None:
         """A measured rate of ``kind``; ``provisional``: by a probe, not by the work the plans price."""
@@ -80,8 +90,14 @@ class RestorePlanner:
         attr = {"prefill": "prefill_tokens_per_s", "host": "host_bytes_per_s", "disk": "disk_bytes_per_s"}[kind]
         if self.alpha == 0:  # rates held fixed (tests, experiments)
             return
-        alpha = self.alpha if attr in self.measured and attr not in self.provisional else 1.0
-        setattr(self, attr, (1 - alpha) * getattr(self, attr) + alpha * amount / seconds)
+        value, now = amount / seconds, getattr(self, attr)
+        if attr not in self.measured:
+            alpha = 1.0  # a guess
+        elif kind == "disk" and value < now:
+            alpha = 1.0 if attr in self.provisional else self.disk_alpha_down
+        else:
+            alpha = self.alpha
+        setattr(self, attr, (1 - alpha) * now + alpha * value)
         self.measured.add(attr)
         if provisional:
             self.provisional.add(attr)
