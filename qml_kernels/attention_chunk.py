@@ -27,7 +27,7 @@ on the H100 (``results/cudnn-chunk-h100-2026-12-06.md``). A step launches each s
 its row bound, so that no count of sequences or mix of bounds is a new shape to build on a served step, stalling
 every stream (``together``, one launch for the step, stays for benchmarks: 9-18% faster on two or three sequences
 with a fresh prompt among them, 8% slower on two similar ones, ``results/chunk-launches-h100-2026-12-06.md``). The
-row bound is a power of two from ``MIN_QUERIES``, and every table is as wide as the pool (a page can be anywhere in
+row bound is a power of two from ``2 * MIN_QUERIES``, and every table is as wide as the pool (a page can be anywhere in
 it), so that a process builds a handful: bounds above the step's lengths cost nothing measurable there (16,400
 queries over 16,000 keys 11.34 ms at 32,768 rows, 12.31 at 16,512; 6,784 over 21,504 4.73 ms with a 65,536-page
 table, 4.75 with 2,048).
@@ -62,8 +62,11 @@ def _pow2_at_least(n: int, floor: int) -> int:
 
 
 def row_bound(n_max: int) -> int:
-    """The graph's rows per sequence for a step whose longest sequence brings ``n_max`` queries."""
-    return _pow2_at_least(n_max, MIN_QUERIES)
+    """The graph's rows per sequence for a step whose longest sequence brings ``n_max`` queries. The smallest is
+    ``2 * MIN_QUERIES``: a chunk of exactly 512 queries (32 blocks, as a cut restore computes) shares the 1,024
+    graph the warm-up builds instead of building its own on a served step (a bound above the lengths costs
+    nothing measurable, above)."""
+    return _pow2_at_least(n_max, 2 * MIN_QUERIES)
 
 
 class _Buffers:

@@ -47,15 +47,15 @@ def _guarded_out(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_row_bounds_are_powers_of_two_and_tables_as_wide_as_the_pool():
-    assert [row_bound(n) for n in (1, 512, 513, 6784, 27648)] == [512, 512, 1024, 8192, 32768]
+    assert [row_bound(n) for n in (1, 512, 513, 1024, 1025, 6784, 27648)] == [1024] * 4 + [2048, 8192, 32768]
     x = _inputs(CASES[1], torch.float16, torch.device("cpu"))
     pages = x["k_cache"].shape[0]
-    assert launch_shapes(x["q"], x["k_cache"], x["meta"]) == [(1, 512, pages)] * 3  # one launch a sequence
-    assert launch_shapes(x["q"], x["k_cache"], x["meta"], together=True) == [(3, 512, pages)]
+    assert launch_shapes(x["q"], x["k_cache"], x["meta"]) == [(1, 1024, pages)] * 3  # one launch a sequence
+    assert launch_shapes(x["q"], x["k_cache"], x["meta"], together=True) == [(3, 1024, pages)]
     long = Case("long", {"seqs": ((600, 900), (512, 512), (1100, 1100)), "H": 4, "Hkv": 2, "Dh": 64})
     y = _inputs(long, torch.float16, torch.device("cpu"))
     pages = y["k_cache"].shape[0]
-    assert launch_shapes(y["q"], y["k_cache"], y["meta"]) == [(1, 1024, pages), (1, 512, pages), (1, 2048, pages)]
+    assert launch_shapes(y["q"], y["k_cache"], y["meta"]) == [(1, 1024, pages), (1, 1024, pages), (1, 2048, pages)]
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["a-launch-a-sequence", "one-launch"])
@@ -69,7 +69,7 @@ def test_reference_launch_matches_paged_attention(case, together):
 
 
 def test_sequences_of_one_bound_share_its_graph_each_with_its_own_operands():
-    x = _inputs(CASES[1], torch.float32, torch.device("cpu"))  # three sequences, one row bound (512)
+    x = _inputs(CASES[1], torch.float32, torch.device("cpu"))  # three sequences, one row bound (1,024)
 
     class OneGraph(ChunkReference):
         built = []
