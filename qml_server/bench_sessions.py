@@ -83,6 +83,11 @@ RECOMPUTED = "qml:kv_recomputed_blocks_total"
 # engine before its first scheduling (the engine busy with the work of an earlier request)
 SERVER_TTFT = "qml:time_to_first_token_seconds_sum"
 QUEUE_TIME = "qml:request_queue_time_seconds_sum"
+# the restore planner's estimates for the histories it planned (a turn's delta: its plan's) and the disk rate it
+# prices reads at (before a turn: what its plan used; after: what its load taught it)
+PLANNED = "qml:kv_restore_planned_seconds_total"
+RECOMPUTE_PLANNED = "qml:kv_restore_recompute_planned_seconds_total"
+RATE = "qml:kv_restore_rate_bytes_per_second"
 CALIBRATION_CHARS = 2000
 
 
@@ -130,7 +135,15 @@ def _counters(metrics: dict | None) -> dict[str, float] | None:
             "disk": metric_sum(metrics, RESTORED, tier="disk") or 0.0,
             "recomputed": metric_sum(metrics, RECOMPUTED) or 0.0,
             "reply_ids": metric_sum(metrics, REUSED_REPLY_IDS) or 0.0,
-            "server_ttft": metric_sum(metrics, SERVER_TTFT) or 0.0, "queue": metric_sum(metrics, QUEUE_TIME) or 0.0}
+            "server_ttft": metric_sum(metrics, SERVER_TTFT) or 0.0, "queue": metric_sum(metrics, QUEUE_TIME) or 0.0,
+            "planned": metric_sum(metrics, PLANNED) or 0.0,
+            "recompute_planned": metric_sum(metrics, RECOMPUTE_PLANNED) or 0.0}
+
+
+def _disk_rate(metrics: dict | None) -> float | None:
+    """The disk rate the planner prices reads at, GB/s (None: no such metric)."""
+    rates = [v for (n, ls), v in (metrics or {}).items() if n == RATE and ("tier", "disk") in ls]
+    return round(rates[0] / 1e9, 3) if rates else None
 
 
 def run_sessions(base_url: str, api_key: str | None = None, model: str | None = None, users: int | None = None,
@@ -210,10 +223,12 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
         for conv in convs:
             turn = conv.turns + 1
             conv.messages.append({"role": "user", "content": user_text(turn, first_chars if turn == 1 else text_chars)})
-            before = _counters(client.scrape_metrics())
+            scraped = client.scrape_metrics()
+            before, rate_before = _counters(scraped), _disk_rate(scraped)
             run = client.stream(conv.messages, max_tokens=reply_tokens, ignore_eos=True, cache_salt=conv.salt,
                                 headers={"x-session-id": conv.id} if session_ids else None)
-            after = _counters(client.scrape_metrics())
+            scraped = client.scrape_metrics()
+            after, rate_after = _counters(scraped), _disk_rate(scraped)
             delta = None if before is None or after is None else {k: after[k] - before[k] for k in after}
             restored = None if delta is None else {"host": round(delta["host"]), "disk": round(delta["disk"])}
             record: dict[str, Any] = {
@@ -228,6 +243,11 @@ def _run(client: Client, base_url: str, model: str | None, users: int | None, tu
                 # the server's TTFT (from the request reaching it) and its wait for the engine's first scheduling
                 "server_ttft_ms": None if delta is None else round(delta["server_ttft"] * 1e3, 3),
                 "queue_ms": None if delta is None else round(delta["queue"] * 1e3, 3),
+                # the restore plan of a history below the GPU: its estimate and the recompute's (beside server_ttft_ms)
+                "planned_ms": round(delta["planned"] * 1e3, 3) if delta and delta["planned"] else None,
+                "recompute_planned_ms": round(delta["recompute_planned"] * 1e3, 3)
+                if delta and delta["recompute_planned"] else None,
+                "planner_disk_gbps": [rate_before, rate_after] if rate_before is not None else None,
                 "where": where_from(turn, run.cached_tokens, restored),
                 "fresh_ttft_ms": None, "fresh_prompt_tokens": None, "fresh_cached_tokens": None,
             }

@@ -14,25 +14,31 @@ Two sources feed them:
 The ``engine.stats()`` contract: a dict, cheap, callable from any thread (values may
 be a step old); a missing key only hides its family.
 
-==========================  =====  ===================================================
-``num_requests_running``    int    requests in the running batch
-``num_requests_waiting``    int    submitted, not yet scheduled (includes preempted)
-``kv_cache_usage``          float  fraction of KV pages held by requests, 0..1
-``prefix_cache_queries``    int    cumulative prompt tokens looked up in the prefix cache
-``prefix_cache_hits``       int    cumulative prompt tokens found there
-``kv_tier_bytes``           dict   tier name ("gpu", "host", "disk") -> bytes of
-                                   reusable (content-named) KV held in that tier
-``kv_restored_blocks``      dict   tier ("host", "disk") -> cumulative KV pages copied
-                                   back to the GPU instead of recomputed
-``kv_recomputed_blocks``    int    cumulative pages found on disk but recomputed,
-                                   because the planner judged that faster
-``kv_spilled_blocks``       dict   tier ("host", "disk") -> cumulative pages written down
-``kv_restore_seconds``      float  cumulative time spent copying pages back
-``kv_restore_plans``        dict   plan ("restore", "recompute", "split") -> cumulative
-                                   requests whose history below the GPU got that plan
-``kv_restore_cuts``         int    cumulative loads from disk cut short (their late
-                                   blocks computed: faster than waiting for them)
-==========================  =====  ===================================================
+==========================================  =====  ===================================================
+``num_requests_running``                    int    requests in the running batch
+``num_requests_waiting``                    int    submitted, not yet scheduled (includes preempted)
+``kv_cache_usage``                          float  fraction of KV pages held by requests, 0..1
+``prefix_cache_queries``                    int    cumulative prompt tokens looked up in the prefix cache
+``prefix_cache_hits``                       int    cumulative prompt tokens found there
+``kv_tier_bytes``                           dict   tier name ("gpu", "host", "disk") -> bytes of
+                                                   reusable (content-named) KV held in that tier
+``kv_restored_blocks``                      dict   tier ("host", "disk") -> cumulative KV pages copied
+                                                   back to the GPU instead of recomputed
+``kv_recomputed_blocks``                    int    cumulative pages found on disk but recomputed,
+                                                   because the planner judged that faster
+``kv_spilled_blocks``                       dict   tier ("host", "disk") -> cumulative pages written down
+``kv_restore_seconds``                      float  cumulative time spent copying pages back
+``kv_restore_plans``                        dict   plan ("restore", "recompute", "split") -> cumulative
+                                                   requests whose history below the GPU got that plan
+``kv_restore_cuts``                         int    cumulative loads from disk cut short (their late
+                                                   blocks computed: faster than waiting for them)
+``kv_restore_planned_seconds``              float  cumulative planner estimates for the histories
+                                                   it planned (restore, recompute or split)
+``kv_restore_recompute_planned_seconds``    float  the same for computing each of them
+                                                   all instead
+``kv_restore_rates``                        dict   tier ("host", "disk") -> bytes/s the planner prices
+                                                   a restore from it at now (measured, or its guess)
+==========================================  =====  ===================================================
 
 Every app owns its registry: tests build many apps in one process, and a global
 registry would refuse the second set of metric names.
@@ -229,6 +235,18 @@ class _EngineCollector(Collector):
                            "kv_restore_seconds")
         yield from counter("qml:kv_restore_cuts", "Loads from disk cut short: their late blocks were computed "
                            "instead, once that was faster than waiting for them.", "kv_restore_cuts")
+        yield from counter("qml:kv_restore_planned_seconds", "The restore planner's estimates for the histories "
+                           "below the GPU it planned (copied, recomputed or split).", "kv_restore_planned_seconds")
+        yield from counter("qml:kv_restore_recompute_planned_seconds", "The restore planner's estimates for "
+                           "computing each of those histories all instead.", "kv_restore_recompute_planned_seconds")
+        rates = stats.get("kv_restore_rates")
+        if rates:
+            family = GaugeMetricFamily("qml:kv_restore_rate_bytes_per_second", "The rate the restore planner "
+                                       "prices a copy from this tier at (measured, or its first guess).",
+                                       labels=["model_name", "tier"])
+            for tier, rate in rates.items():
+                family.add_metric([self.model_name, str(tier)], float(rate))
+            yield family
 
 
 class _RepliesCollector(Collector):

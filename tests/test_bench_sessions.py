@@ -44,6 +44,8 @@ def test_sessions_history_stays_on_the_gpu(server, tmp_path, capsys):
         # the server's side of the same turn: its TTFT (from the request's arrival) within the client's, and
         # the engine's wait before scheduling it within that
         assert 0 < r["server_ttft_ms"] <= r["ttft_ms"] and 0 <= r["queue_ms"] <= r["server_ttft_ms"]
+        assert r["planned_ms"] is None and r["recompute_planned_ms"] is None  # (no history below the GPU)
+        assert r["planner_disk_gbps"] is None  # (no disk tier)
         if r["turn"] == 1:
             assert r["cached_tokens"] == 0 and r["where"] == "new" and r["kept_reply_ids"] == 0
         else:
@@ -91,6 +93,9 @@ def test_sessions_survive_a_restart_through_the_disk_tier(tmp_path, capsys):
         assert r["restored_blocks"]["disk"] > 0 and r["restored_blocks"]["host"] == 0
         assert r["restored_blocks"]["disk"] * 16 == r["cached_tokens"]  # the whole history came from disk
         assert r["where"] == "disk"
+        # the turn's restore plan, as /metrics exports it: never slower than recomputing, by its own estimate
+        assert 0 < r["planned_ms"] <= r["recompute_planned_ms"]
+        assert len(r["planner_disk_gbps"]) == 2 and all(rate > 0 for rate in r["planner_disk_gbps"])
     assert result["by_turn"][0]["where"] == {"disk": 2} and "disk ×2" in captured.out
 
 

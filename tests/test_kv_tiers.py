@@ -184,6 +184,12 @@ def test_tier_activity_reaches_the_metrics(engine, tmp_path):
         written_down = eng.tiers.stats.spilled_host + eng.tiers.stats.kept_host
         assert samples[("qml:kv_spilled_blocks_total", "host")] == written_down > 0
         assert samples[("qml:kv_tier_bytes", "host")] == eng.tiers.host.bytes_used > 0
+        # the plans' estimates (summed) and the rate a host copy is priced at; no disk tier, so no disk rate
+        planned = eng.tiers.stats.planned_seconds
+        assert planned > 0 and samples[("qml:kv_restore_planned_seconds_total", None)] == pytest.approx(planned)
+        assert samples[("qml:kv_restore_recompute_planned_seconds_total", None)] >= planned
+        assert samples[("qml:kv_restore_rate_bytes_per_second", "host")] == eng.tiers.planner.host_bytes_per_s > 0
+        assert ("qml:kv_restore_rate_bytes_per_second", "disk") not in samples
     finally:
         eng.shutdown()
 

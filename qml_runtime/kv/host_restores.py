@@ -156,6 +156,8 @@ class HostRestores:
         self._observe_uploads()
         plan = self.planner.plan(tiers, self.block_bytes, block_tokens, start, after)
         self.stats.plans[plan.kind] += 1
+        self.stats.planned_seconds += plan.seconds
+        self.stats.recompute_planned_seconds += plan.recompute_seconds
         if plan.recompute:
             self.stats.skipped_disk += tiers[plan.host_now:plan.host_now + plan.recompute].count("disk")
         if tiers and log.isEnabledFor(logging.INFO):

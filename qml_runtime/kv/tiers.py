@@ -94,6 +94,10 @@ class TierStats:
     persist_skipped: int = 0  # pages not written through because the writer was too far behind
     cuts: int = 0  # loads from disk cut short, their late blocks computed instead (``cut_load``)
     plans: dict = field(default_factory=lambda: {"restore": 0, "recompute": 0, "split": 0})
+    # the plans' estimates for their histories, and for computing all of each instead (seconds, summed): a
+    # turn's delta beside its time to first token says how far the planner's rates were off
+    planned_seconds: float = 0.0
+    recompute_planned_seconds: float = 0.0
 
 
 class KVTiers(HostRestores, DiskLoads):  # (restores from host RAM, loads from disk: their own modules)
