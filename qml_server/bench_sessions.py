@@ -342,6 +342,7 @@ def by_turn(records: list[dict]) -> list[dict]:
             "recomputed_disk_blocks": sum(r["recomputed_disk_blocks"] or 0 for r in rs),
             "server_ttft_ms": _median([r.get("server_ttft_ms") for r in rs]),
             "queue_ms": _median([r.get("queue_ms") for r in rs]),
+            "planned_ms": _median([r.get("planned_ms") for r in rs]),
         })
     return rows
 
@@ -362,8 +363,8 @@ def markdown(result: dict) -> str:
              "",
              ("| turn | prompt tokens | cached tokens | TTFT (ms) | fresh-prefill TTFT (ms) | fresh / TTFT | "
               "where restored | restored pages host / disk | computed tokens | ids from kept replies | "
-              "server TTFT (ms) | of it queued (ms) |"),
-             "|---:|---:|---:|---:|---:|---:|:---|---:|---:|---:|---:|---:|"]
+              "server TTFT (ms) | of it queued (ms) | restore plan's estimate (ms) |"),
+             "|---:|---:|---:|---:|---:|---:|:---|---:|---:|---:|---:|---:|---:|"]
     for row in result["by_turn"]:
         where = ", ".join(f"{k} ×{v}" for k, v in sorted(row["where"].items()))
         rb = row["restored_blocks"]
@@ -372,7 +373,7 @@ def markdown(result: dict) -> str:
                      f"| {num(row['ttft_ms'])} | {num(row['fresh_ttft_ms'])} | {num(row['speedup'], '{:.2f}x')} "
                      f"| {where} | {pages} | {num(row['computed_tokens'], '{:.0f}')} "
                      f"| {num(row['kept_reply_ids'], '{:.0f}')} | {num(row.get('server_ttft_ms'))} "
-                     f"| {num(row.get('queue_ms'))} |")
+                     f"| {num(row.get('queue_ms'))} | {num(row.get('planned_ms'))} |")
     lines += ["", "(medians over the conversations of each turn)"]
     if result["notes"]:
         lines += ["", *(f"note: {n}" for n in result["notes"])]

@@ -97,6 +97,7 @@ def test_sessions_survive_a_restart_through_the_disk_tier(tmp_path, capsys):
         assert 0 < r["planned_ms"] <= r["recompute_planned_ms"]
         assert len(r["planner_disk_gbps"]) == 2 and all(rate > 0 for rate in r["planner_disk_gbps"])
     assert result["by_turn"][0]["where"] == {"disk": 2} and "disk ×2" in captured.out
+    assert result["by_turn"][0]["planned_ms"] > 0 and "restore plan's estimate (ms) |" in captured.out
 
 
 @pytest.mark.parametrize("order", ["round", "turn"])
