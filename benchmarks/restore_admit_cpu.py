@@ -18,6 +18,12 @@ whole call, in ms. Medians over ``--repeats``.
 
     python benchmarks/restore_admit_cpu.py                 # 40 repeats, ~10 s
     python benchmarks/restore_admit_cpu.py --layered       # up to the GPU path's first copy launch
+    python benchmarks/restore_admit_cpu.py --layered --busy-writers 4   # beside a disk writer kept busy
+
+``--busy-writers 4`` (session 36, this 2-core machine, 25 turns a run): ``to_copy`` 1.83-2.06 ms alone, 2.56-2.86
+beside the writer (its upper quartile 3.7), 2.37 beside one thread. A trial that also paused the writers between
+a write's stages while the engine held them (not only before a write) gave 2.28 against 2.56 in the same pair of
+runs: not kept (a borrowed host row's write cannot pause once begun: the tier's ``detach`` waits for it).
     PYTHONPATH=/path/to/other/tree python benchmarks/restore_admit_cpu.py   # another tree, same script
 """
 
@@ -134,11 +140,51 @@ def one_turn(args, rng: random.Random) -> dict[str, float]:
         sched.tiers._upload = upload
     sched.add(seq)
     gc.collect()
+    writer = _BUSY["writer"]
+    if writer is not None:  # as the engine's loop holds the writes around its schedule (``hold_writes``)
+        writer.hold()
     t0 = time.perf_counter()
     batch = sched.schedule()
     t1 = time.perf_counter()
+    if writer is not None:
+        writer.release()
     assert batch.seqs == [seq] and seq.num_cached >= args.history - 16, "the history was not restored"
     return {"to_copy": (marks["copy"] - t0) * 1e3, "schedule": (t1 - t0) * 1e3}
+
+
+_BUSY: dict = {"writer": None}
+
+
+def busy_writers(threads: int, block_bytes: int, element_size: int) -> None:
+    """``--busy-writers``: a disk writer with ``threads`` threads (``DiskWriter``, writing ``DiskStore`` files in a
+    temporary directory) kept busy with random blocks of ``block_bytes`` the whole run, as after a burst of long
+    prompts whose pages go down to disk while the next turn is scheduled. Its writes begun go on through the
+    engine thread's hold; the hold stops those not begun."""
+    import os
+    import tempfile
+    import threading
+
+    from qml_runtime.kv.disk_store import DiskStore
+    from qml_runtime.kv.disk_writer import DiskWriter
+    from qml_runtime.kv.tiers import TierStats
+
+    store = DiskStore(tempfile.mkdtemp(prefix="qml-busy-"), b"busy-fp".ljust(32, b"-"), 2 << 30, element_size=element_size)
+    writer = DiskWriter(store, block_bytes, TierStats(), threads=threads)
+    dtype = torch.bfloat16 if element_size == 2 else torch.uint8
+    data = torch.randn(block_bytes // 2).to(torch.bfloat16).view(dtype) if element_size == 2 \
+        else torch.randint(0, 255, (block_bytes,), dtype=torch.uint8)
+
+    def feed() -> None:
+        n = 0
+        while True:
+            if writer.pending_bytes > 8 * block_bytes:
+                time.sleep(0.001)
+                continue
+            n += 1
+            writer.put_block(os.urandom(32), pack(list(range(n, n + 16))), data.clone(), None, None)
+
+    threading.Thread(target=feed, daemon=True).start()
+    _BUSY["writer"] = writer
 
 
 def main() -> None:
@@ -151,9 +197,15 @@ def main() -> None:
     p.add_argument("--layered", action="store_true",
                    help="time up to the GPU path's first page_copy call (KVTiers._upload_layers, CUDA faked), "
                         "not up to KVTiers._upload")
+    p.add_argument("--busy-writers", type=int, default=0,
+                   help="a disk writer of this many threads writing 2 MiB blocks beside every turn (busy_writers)")
+    p.add_argument("--raw", action="store_true", help="--busy-writers: files written raw, not encoded")
     args = p.parse_args()
     if args.layered:
         fake_cuda()
+    if args.busy_writers:
+        busy_writers(args.busy_writers, 2 << 20, 0 if args.raw else 2)
+        time.sleep(1.0)  # (the writer's threads in their stride)
     torch.set_num_threads(1)
     rng = random.Random(0)
     rows = [one_turn(args, rng) for _ in range(args.repeats)]
