@@ -168,7 +168,8 @@ def busy_writers(threads: int, block_bytes: int, element_size: int) -> None:
     from qml_runtime.kv.disk_writer import DiskWriter
     from qml_runtime.kv.tiers import TierStats
 
-    store = DiskStore(tempfile.mkdtemp(prefix="qml-busy-"), b"busy-fp".ljust(32, b"-"), 2 << 30, element_size=element_size)
+    store = DiskStore(tempfile.mkdtemp(prefix="qml-busy-"), b"busy-fp".ljust(32, b"-"), 2 << 30,
+                      element_size=element_size)
     writer = DiskWriter(store, block_bytes, TierStats(), threads=threads)
     dtype = torch.bfloat16 if element_size == 2 else torch.uint8
     data = torch.randn(block_bytes // 2).to(torch.bfloat16).view(dtype) if element_size == 2 \
