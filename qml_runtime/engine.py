@@ -194,16 +194,16 @@ class Engine(KeptPages, Requests):  # (pages handed to the tiers: kept_pages; th
             tiers["disk"] = self.tiers.disk.bytes_used
         restores = {}
         if self.tiers is not None:
-            t = self.tiers.stats
+            t, planner = self.tiers.stats, self.tiers.planner
             restores = {"kv_restored_blocks": {"host": t.restored_host, "disk": t.restored_disk},
                         "kv_spilled_blocks": {"host": t.spilled_host + t.kept_host, "disk": t.written_disk},
                         "kv_recomputed_blocks": t.skipped_disk, "kv_restore_seconds": t.restore_seconds,
                         "kv_restore_plans": dict(t.plans), "kv_restore_cuts": t.cuts,
                         "kv_restore_planned_seconds": t.planned_seconds,
                         "kv_restore_recompute_planned_seconds": t.recompute_planned_seconds,
-                        "kv_restore_rates": {tier: rate for tier, rate, there in (
-                            ("host", self.tiers.planner.host_bytes_per_s, self.tiers.host is not None),
-                            ("disk", self.tiers.planner.disk_bytes_per_s, self.tiers.disk is not None)) if there}}
+                        # (for the tiers this engine has: those ``tiers`` counts the bytes of)
+                        "kv_restore_rates": {tier: getattr(planner, f"{tier}_bytes_per_s") for tier in ("host", "disk")
+                                             if tier in tiers}}
         return {
             **restores,
             "num_requests_running": len(self.scheduler.running),

@@ -141,9 +141,9 @@ def _counters(metrics: dict | None) -> dict[str, float] | None:
 
 
 def _disk_rate(metrics: dict | None) -> float | None:
-    """The disk rate the planner prices reads at, GB/s (None: no such metric)."""
-    rates = [v for (n, ls), v in (metrics or {}).items() if n == RATE and ("tier", "disk") in ls]
-    return round(rates[0] / 1e9, 3) if rates else None
+    """The disk rate the planner prices reads at, GB/s (None: no such metric; a rate is never 0)."""
+    rate = metric_sum(metrics, RATE, tier="disk")
+    return round(rate / 1e9, 3) if rate else None
 
 
 def run_sessions(base_url: str, api_key: str | None = None, model: str | None = None, users: int | None = None,

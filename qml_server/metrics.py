@@ -200,6 +200,14 @@ class _EngineCollector(Collector):
                 family.add_metric(model, float(stats[key]))
                 yield family
 
+        def by_label(kind: type, name: str, doc: str, key: str, label: str) -> Iterator[Metric]:
+            """A family of ``kind`` from the dict ``stats[key]``: a sample per entry, its key as ``label``."""
+            if stats.get(key):
+                family = kind(name, doc, labels=["model_name", label])
+                for value, amount in stats[key].items():
+                    family.add_metric([self.model_name, str(value)], float(amount))
+                yield family
+
         yield from gauge("qml:num_requests_running", "Requests in the engine's running batch.",
                          "num_requests_running")
         yield from gauge("qml:num_requests_waiting", "Requests waiting in the engine for their first scheduling.",
@@ -210,13 +218,8 @@ class _EngineCollector(Collector):
                            "prefix_cache_queries")
         yield from counter("qml:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                            "prefix_cache_hits")
-        tiers = stats.get("kv_tier_bytes")
-        if tiers:
-            family = GaugeMetricFamily("qml:kv_tier_bytes", "Bytes of reusable (content-named) KV held per tier.",
-                                       labels=["model_name", "tier"])
-            for tier, nbytes in tiers.items():
-                family.add_metric([self.model_name, str(tier)], float(nbytes))
-            yield family
+        yield from by_label(GaugeMetricFamily, "qml:kv_tier_bytes", "Bytes of reusable (content-named) KV held per "
+                            "tier.", "kv_tier_bytes", "tier")
         for key, name, doc, label in (
             ("kv_restored_blocks", "qml:kv_restored_blocks", "KV pages copied back to the GPU from a lower tier.",
              "tier"),
@@ -224,11 +227,7 @@ class _EngineCollector(Collector):
             ("kv_restore_plans", "qml:kv_restore_plans", "Requests whose history below the GPU was restored, "
              "recomputed, or split (head recomputed while the tail streamed in).", "plan"),
         ):
-            if stats.get(key):
-                family = CounterMetricFamily(name, doc, labels=["model_name", label])
-                for value, count in stats[key].items():
-                    family.add_metric([self.model_name, str(value)], float(count))
-                yield family
+            yield from by_label(CounterMetricFamily, name, doc, key, label)
         yield from counter("qml:kv_recomputed_blocks", "KV pages found on disk but recomputed (judged faster).",
                            "kv_recomputed_blocks")
         yield from counter("qml:kv_restore_seconds", "Time spent copying KV pages back to the GPU.",
@@ -239,14 +238,9 @@ class _EngineCollector(Collector):
                            "below the GPU it planned (copied, recomputed or split).", "kv_restore_planned_seconds")
         yield from counter("qml:kv_restore_recompute_planned_seconds", "The restore planner's estimates for "
                            "computing each of those histories all instead.", "kv_restore_recompute_planned_seconds")
-        rates = stats.get("kv_restore_rates")
-        if rates:
-            family = GaugeMetricFamily("qml:kv_restore_rate_bytes_per_second", "The rate the restore planner "
-                                       "prices a copy from this tier at (measured, or its first guess).",
-                                       labels=["model_name", "tier"])
-            for tier, rate in rates.items():
-                family.add_metric([self.model_name, str(tier)], float(rate))
-            yield family
+        yield from by_label(GaugeMetricFamily, "qml:kv_restore_rate_bytes_per_second", "The rate the restore "
+                            "planner prices a copy from this tier at (measured, or its first guess).",
+                            "kv_restore_rates", "tier")
 
 
 class _RepliesCollector(Collector):
