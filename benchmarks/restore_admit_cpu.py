@@ -19,12 +19,12 @@ whole call, in ms. Medians over ``--repeats``.
     python benchmarks/restore_admit_cpu.py                 # 40 repeats, ~10 s
     python benchmarks/restore_admit_cpu.py --layered       # up to the GPU path's first copy launch
     python benchmarks/restore_admit_cpu.py --layered --busy-writers 4   # beside a disk writer kept busy
+    PYTHONPATH=/path/to/other/tree python benchmarks/restore_admit_cpu.py   # another tree, same script
 
 ``--busy-writers 4`` (session 36, this 2-core machine, 25 turns a run): ``to_copy`` 1.83-2.06 ms alone, 2.56-2.86
 beside the writer (its upper quartile 3.7), 2.37 beside one thread. A trial that also paused the writers between
 a write's stages while the engine held them (not only before a write) gave 2.28 against 2.56 in the same pair of
 runs: not kept (a borrowed host row's write cannot pause once begun: the tier's ``detach`` waits for it).
-    PYTHONPATH=/path/to/other/tree python benchmarks/restore_admit_cpu.py   # another tree, same script
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def fake_cuda() -> None:
         torch.tensor = lambda *a, pin_memory=False, **k: tensor(*a, **k)
 
 
-def one_turn(args, rng: random.Random) -> dict[str, float]:
+def one_turn(args, rng: random.Random, writer=None) -> dict[str, float]:
+    """``writer``: a busy disk writer (``busy_writers``), held around the schedule."""
     sched = build(args)
     history = [rng.randrange(32000) for _ in range(args.history)]
     run_to_end(sched, history, b"a")
@@ -140,7 +141,6 @@ def one_turn(args, rng: random.Random) -> dict[str, float]:
         sched.tiers._upload = upload
     sched.add(seq)
     gc.collect()
-    writer = _BUSY["writer"]
     if writer is not None:  # as the engine's loop holds the writes around its schedule (``hold_writes``)
         writer.hold()
     t0 = time.perf_counter()
@@ -152,10 +152,7 @@ def one_turn(args, rng: random.Random) -> dict[str, float]:
     return {"to_copy": (marks["copy"] - t0) * 1e3, "schedule": (t1 - t0) * 1e3}
 
 
-_BUSY: dict = {"writer": None}
-
-
-def busy_writers(threads: int, block_bytes: int, element_size: int) -> None:
+def busy_writers(threads: int, block_bytes: int, element_size: int):
     """``--busy-writers``: a disk writer with ``threads`` threads (``DiskWriter``, writing ``DiskStore`` files in a
     temporary directory) kept busy with random blocks of ``block_bytes`` the whole run, as after a burst of long
     prompts whose pages go down to disk while the next turn is scheduled. Its writes begun go on through the
@@ -185,7 +182,8 @@ def busy_writers(threads: int, block_bytes: int, element_size: int) -> None:
             writer.put_block(os.urandom(32), pack(list(range(n, n + 16))), data.clone(), None, None)
 
     threading.Thread(target=feed, daemon=True).start()
-    _BUSY["writer"] = writer
+    time.sleep(1.0)  # (the writer's threads in their stride)
+    return writer
 
 
 def main() -> None:
@@ -204,12 +202,10 @@ def main() -> None:
     args = p.parse_args()
     if args.layered:
         fake_cuda()
-    if args.busy_writers:
-        busy_writers(args.busy_writers, 2 << 20, 0 if args.raw else 2)
-        time.sleep(1.0)  # (the writer's threads in their stride)
+    writer = busy_writers(args.busy_writers, 2 << 20, 0 if args.raw else 2) if args.busy_writers else None
     torch.set_num_threads(1)
     rng = random.Random(0)
-    rows = [one_turn(args, rng) for _ in range(args.repeats)]
+    rows = [one_turn(args, rng, writer) for _ in range(args.repeats)]
     for key in ("to_copy", "schedule"):
         values = sorted(r[key] for r in rows)
         print(f"{key:>9}: median {statistics.median(values):.3f} ms, quartiles {values[len(values) // 4]:.3f}"
