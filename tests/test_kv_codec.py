@@ -4,6 +4,8 @@ for bit in the interpreter on CPU (integer operations only, so bf16 is safe ther
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -312,6 +314,13 @@ def test_a_history_restored_through_the_codec_from_host_ram_and_from_disk_gives_
         eng.shutdown()
     restarted = _engine(monkeypatch, tmp_path / "store", codec=True)  # the same store: the rows on disk
     try:
+        # the rows must come from disk: the plan is pinned to reading them. The start-up probe reads this tiny
+        # store's files (12 KiB a page) cold, at a rate their opens decide, and on a busy 2-core CI machine it
+        # once measured the disk slower than recomputing the 8 pages (a "recompute" plan, nothing read)
+        for probe in [t for t in threading.enumerate() if t.name == "qml-kv-probe"]:
+            probe.join()
+        restarted.tiers.planner.alpha = 0.0  # (rates held fixed from here)
+        restarted.tiers.planner.disk_bytes_per_s = 1e12
         got = restarted.generate_sync(turn, greedy)
         assert restarted.tiers.stats.restored_disk > 0 and got.cached_tokens > 0
         assert got.token_ids == want
