@@ -65,6 +65,8 @@ served_trace() {  # $1: the directory; the rest: server_h200.py's arguments
   # the host-RAM turns (a first step of 30-200 ms: the copy): where the time before their copy goes
   python3 benchmarks/turn_trace_report.py "$dir/trace.jsonl" --min-step-ms 30 --max-step-ms 200 \
     --json "$dir/trace-report-host.json" | tail -1
+  # the turns that ran in several steps (a history recomputed in chunks beside its reads from disk), step by step
+  python3 benchmarks/turn_trace_report.py "$dir/trace.jsonl" --steps --json "$dir/trace-steps.json" | tail -30
   gzip -f "$dir/trace.jsonl"
 }
 

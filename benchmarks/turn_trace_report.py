@@ -6,6 +6,8 @@ between consecutive points, grouped by how long the first step ran on the device
     python benchmarks/turn_trace_report.py /tmp/trace.jsonl --min-step-ms 30 --max-step-ms 200   # host-RAM turns
     python benchmarks/turn_trace_report.py DIR/tree-1/trace.jsonl.gz DIR/tree-2/... DIR/ab-1/... DIR/ab-2/...
 
+    python benchmarks/turn_trace_report.py /tmp/trace.jsonl --steps     # the turns that ran in several steps
+
 One file: one row per request whose first step took less than ``--max-step-ms`` (the GPU-history turns; a
 host-RAM restore or a fresh prefill takes longer), then the medians of those rows. Several files (an A/B, as
 ``benchmarks/gpu_session.sh build-ab`` writes them; ``.gz`` read as is): the medians of each, then of each side,
@@ -37,6 +39,44 @@ def turn_rows(path: Path, max_step_ms: float, min_step_ms: float = 0.0) -> list[
     return rows
 
 
+def timeline(rec: dict) -> dict:
+    """A request's steps and disk reads, ms from its ``scheduled`` point: each step's start, time and tokens, the
+    gap before it, its reads' window and when its load was applied, and the first token's ``emit``."""
+    zero = rec.get("scheduled", rec.get("submit", 0.0))
+
+    def ms(t: float) -> float:
+        return round((t - zero) * 1e3, 2)
+
+    steps, out = rec.get("steps", []), {"id": rec.get("id", "")}
+    out["steps"] = [{"at": ms(a), "ms": round((b - a) * 1e3, 2), "tokens": n,
+                     "gap": round((a - steps[i - 1][1]) * 1e3, 2) if i else None} for i, (a, b, n) in enumerate(steps)]
+    for point in ("reads_begun", "reads_ended", "load_applied", "emit"):
+        if point in rec:
+            out[point] = ms(rec[point])
+    return out
+
+
+def step_report(paths: list[Path], json_out: Path | None) -> int:
+    """``--steps``: the timeline of every request that ran in more than one step before its first token."""
+    found = []
+    for path in paths:
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        found += [timeline(rec) for line in text.splitlines() if len((rec := json.loads(line)).get("steps", [])) > 1]
+    if not found:
+        print("no request ran in more than one step (a trace from before steps were recorded has none)")
+        return 1
+    for t in found:
+        reads = (f"reads {t['reads_begun']:.1f}-{t['reads_ended']:.1f}" if "reads_begun" in t else "no reads timed")
+        print(f"{t['id'][:24]}: {len(t['steps'])} steps, {reads}, applied {t.get('load_applied', float('nan')):.1f},"
+              f" first token {t.get('emit', float('nan')):.1f} ms after scheduled")
+        for st in t["steps"]:
+            gap = "" if st["gap"] is None else f" (gap {st['gap']:.2f})"
+            print(f"    at {st['at']:9.2f} ms: {st['tokens']:6d} tokens in {st['ms']:8.2f} ms{gap}")
+    if json_out:
+        json_out.write_text(json.dumps(found, indent=1))
+    return 0
+
+
 def medians(rows: list[dict[str, float]], keys: list[str]) -> dict[str, float]:
     return {k: round(statistics.median(v), 3) for k in keys if (v := [r[k] for r in rows if k in r])}
 
@@ -60,7 +100,10 @@ def main() -> int:
     p.add_argument("--min-step-ms", type=float, default=0.0,
                    help="with --max-step-ms, another kind of turn: 30 to 200 ms, a history restored from host RAM")
     p.add_argument("--json", type=Path)
+    p.add_argument("--steps", action="store_true", help="the requests that ran in several steps, step by step")
     args = p.parse_args()
+    if args.steps:
+        return step_report(args.traces, args.json)
     by_file = {path: turn_rows(path, args.max_step_ms, args.min_step_ms) for path in args.traces}
     rows = [r for rs in by_file.values() for r in rs]
     if not rows:

@@ -383,7 +383,9 @@ class Engine(KeptPages, Requests):  # (pages handed to the tiers: kept_pages; th
                 self._fail(seq, exc)
             return None
         t1 = time.perf_counter()
-        turn_trace.stamp_step("token")
+        if turn_trace.ENABLED:
+            turn_trace.stamp_step("token")
+            turn_trace.step_ran(t0, t1, batch.num_tokens)
         self.loop_seconds["step"] += t1 - t0
         self.loop_steps += 1
         if pure_prefill:  # (no chunks without tiers)

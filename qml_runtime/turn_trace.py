@@ -16,6 +16,11 @@ returned), ``announced`` (a streamed request's empty first output, ``Engine.subm
 ``token`` (the step's tokens are on the host), ``emit`` (its first token handed to the server),
 ``first_out`` (the server's stream has it), ``sent`` (the event with the first token was written to the
 socket).
+
+Beside the points, a record keeps ``steps``: ``[start, end, tokens]`` of each step the request ran in up to its
+first token (a history recomputed in several chunks, then the turn's own step), and for a history streamed in from
+disk ``reads_begun`` / ``reads_ended`` (its first read's start, its last read's end, on the reader's clock: the
+same monotonic clock) and ``load_applied`` (the engine took the landed blocks into its pages).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import json
 import os
 import threading
 import time
+from typing import Any
 
 PATH = os.environ.get("QML_TURN_TRACE") or None
 ENABLED = PATH is not None
-_records: dict[str, dict[str, float]] = {}
+_records: dict[str, dict[str, Any]] = {}  # points -> seconds; "steps" -> [start, end, tokens]s
 _current: list[str] = []  # the request ids of the step the engine is running (stamped from inside it)
 _lock = threading.Lock()
 
@@ -59,6 +65,23 @@ def stamp_step(point: str) -> None:
             record = _records.get(rid)
             if record is not None:
                 record.setdefault(point, now)
+
+
+def stamp_at(request_id: str, point: str, when: float) -> None:
+    """``point`` at ``when`` (a ``time.perf_counter`` value taken elsewhere), for a record already open."""
+    if ENABLED:
+        record = _records.get(request_id)
+        if record is not None:
+            record.setdefault(point, when)
+
+
+def step_ran(start: float, end: float, tokens: list[int]) -> None:
+    """The step being run (``running``) ran from ``start`` to ``end``, computing ``tokens[i]`` of request i."""
+    if ENABLED:
+        for rid, n in zip(_current, tokens):
+            record = _records.get(rid)
+            if record is not None and "emit" not in record:  # (up to the step of its first token)
+                record.setdefault("steps", []).append([start, end, n])
 
 
 def running(request_ids: list[str]) -> None:

@@ -139,6 +139,47 @@ def test_after_a_restart_each_plan_gives_the_same_tokens(engine, expected, tmp_p
         restarted.shutdown()
 
 
+def test_a_split_turns_steps_and_reads_are_traced(engine, expected, tmp_path, monkeypatch):
+    """With ``QML_TURN_TRACE`` a split turn's record holds each step (the head recomputed, then the turn after its
+    load), the reads' window and when the load was applied, in that order; the report prints them step by step."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from qml_runtime import turn_trace
+
+    ids, blocks, tokens = expected
+    first = write_history(engine, tmp_path)
+    planner = RestorePlanner(prefill_tokens_per_s=16.0, disk_bytes_per_s=float(first.kv.block_bytes), alpha=0.0)
+    restarted = sibling(engine, tmp_path, planner, host_bytes=64 * 2**20)  # (host slots: the reader process)
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(turn_trace, "PATH", str(trace))
+    monkeypatch.setattr(turn_trace, "ENABLED", True)
+    try:
+        out = restarted.generate_sync(ids, GREEDY)  # (its record opens at submit, is written as it finishes)
+        assert restarted.tiers.stats.plans["split"] == 1 and out.token_ids == tokens
+    finally:
+        restarted.shutdown()
+    (record,) = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = record["steps"]
+    assert len(steps) >= 2 and all(a <= b for a, b, _ in steps)
+    assert all(steps[i][1] <= steps[i + 1][0] for i in range(len(steps) - 1))
+    head = len(ids) - out.cached_tokens - steps[-1][2]  # the recomputed blocks, before the turn's own step
+    assert sum(n for _, _, n in steps[:-1]) == head > 0
+    assert record["reads_begun"] <= record["reads_ended"] <= record["load_applied"] <= steps[-1][0]
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import turn_trace_report
+
+    report = tmp_path / "steps.json"
+    monkeypatch.setattr(sys, "argv", ["turn_trace_report.py", str(trace), "--steps", "--json", str(report)])
+    assert turn_trace_report.main() == 0
+    (timeline,) = json.loads(report.read_text())
+    assert [st["tokens"] for st in timeline["steps"]] == [n for _, _, n in steps]
+    assert timeline["steps"][0]["gap"] is None and all(st["gap"] >= 0 for st in timeline["steps"][1:])
+    assert timeline["reads_begun"] <= timeline["load_applied"] <= timeline["emit"]
+
+
 def test_a_slow_disk_read_makes_the_engine_wait_not_fail(engine, expected, tmp_path, monkeypatch):
     ids, blocks, tokens = expected
     write_history(engine, tmp_path)
