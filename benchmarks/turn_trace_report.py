@@ -27,13 +27,17 @@ from pathlib import Path
 from qml_runtime.turn_trace import ORDER, gaps
 
 
+def records(path: Path) -> list[dict]:
+    """The records of a trace file (``.gz`` read as is)."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
 def turn_rows(path: Path, max_step_ms: float, min_step_ms: float = 0.0) -> list[dict[str, float]]:
     """The spans (``turn_trace.gaps``) of the requests in ``path`` whose first step took from ``min_step_ms`` to
     under ``max_step_ms``."""
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     rows = []
-    for line in text.splitlines():
-        rec = json.loads(line)
+    for rec in records(path):
         if "step" in rec and "token" in rec and min_step_ms <= (rec["token"] - rec["step"]) * 1e3 < max_step_ms:
             rows.append(gaps(rec))
     return rows
@@ -58,10 +62,7 @@ def timeline(rec: dict) -> dict:
 
 def step_report(paths: list[Path], json_out: Path | None) -> int:
     """``--steps``: the timeline of every request that ran in more than one step before its first token."""
-    found = []
-    for path in paths:
-        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-        found += [timeline(rec) for line in text.splitlines() if len((rec := json.loads(line)).get("steps", [])) > 1]
+    found = [timeline(rec) for path in paths for rec in records(path) if len(rec.get("steps", [])) > 1]
     if not found:
         print("no request ran in more than one step (a trace from before steps were recorded has none)")
         return 1

@@ -166,8 +166,8 @@ class Scheduler:
         if turn_trace.ENABLED:
             turn_trace.stamp(seq.request_id, "load_applied")
             if load.landing is not None and load.landing.last > load.landing.first:  # (the reader process's reads)
-                turn_trace.stamp_at(seq.request_id, "reads_begun", load.landing.first)
-                turn_trace.stamp_at(seq.request_id, "reads_ended", load.landing.last)
+                turn_trace.stamp(seq.request_id, "reads_begun", load.landing.first)
+                turn_trace.stamp(seq.request_id, "reads_ended", load.landing.last)
         first = load.start // S
         self.blocks.register_run(load.pages[:landed], load.names[:landed], self._packed(seq, first, first + landed))
         seq.num_computed = load.start + landed * S

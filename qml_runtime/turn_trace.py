@@ -44,8 +44,9 @@ ENTRIES = ("handler", "submit")  # the points that open a record; the others onl
 MAX_OPEN = 4096  # records never written (a request that failed before its first token): the oldest go
 
 
-def stamp(request_id: str, point: str) -> None:
-    """The first time ``request_id`` reaches ``point``."""
+def stamp(request_id: str, point: str, when: float | None = None) -> None:
+    """The first time ``request_id`` reaches ``point`` (now, or ``when``: a ``time.perf_counter`` value taken
+    elsewhere)."""
     if ENABLED:
         record = _records.get(request_id)
         if record is None:
@@ -54,7 +55,7 @@ def stamp(request_id: str, point: str) -> None:
             record = _records[request_id] = {}
             if len(_records) > MAX_OPEN:
                 _records.pop(next(iter(_records)))
-        record.setdefault(point, time.perf_counter())
+        record.setdefault(point, time.perf_counter() if when is None else when)
 
 
 def stamp_step(point: str) -> None:
@@ -65,14 +66,6 @@ def stamp_step(point: str) -> None:
             record = _records.get(rid)
             if record is not None:
                 record.setdefault(point, now)
-
-
-def stamp_at(request_id: str, point: str, when: float) -> None:
-    """``point`` at ``when`` (a ``time.perf_counter`` value taken elsewhere), for a record already open."""
-    if ENABLED:
-        record = _records.get(request_id)
-        if record is not None:
-            record.setdefault(point, when)
 
 
 def step_ran(start: float, end: float, tokens: list[int]) -> None:
