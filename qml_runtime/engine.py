@@ -38,6 +38,7 @@ from qml_runtime.kv.block_manager import BlockManager
 from qml_runtime.kv.cache import KVCache
 from qml_runtime.kv.disk_store import ENCODABLE_SIZES, DiskStore
 from qml_runtime.kv.host_tier import HostTier
+from qml_runtime.kv.prefill_clock import PrefillClock
 from qml_runtime.kv.prefix import model_fingerprint
 from qml_runtime.kv.tiers import KVTiers
 from qml_runtime.runner import Launched, ModelRunner
@@ -75,6 +76,11 @@ class Engine(KeptPages, Requests):  # (pages handed to the tiers: kept_pages; th
         self.tiers = self._make_tiers(cache, fingerprint)
         if self.tiers is not None:
             self.blocks.on_evict = self.tiers.spill_many
+        # the prefill steps the restore planner learns from, timed on the device where there is one (the
+        # planner looked up at each: a test or a bench may give the tiers another)
+        self.prefill_clock = None if self.tiers is None else PrefillClock(
+            lambda chunks, seconds, beside: self.tiers.planner.observe_prefill(chunks, seconds, beside=beside),
+            (lambda: torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None)
         self.scheduler = Scheduler(scheduler, self.blocks, fingerprint, cache.enable_prefix_caching, self.tiers)
         graphs = {}
         if cuda_graphs and device.type == "cuda":
@@ -299,6 +305,8 @@ class Engine(KeptPages, Requests):  # (pages handed to the tiers: kept_pages; th
         """Schedule a batch and run it: a decode step is launched and left in flight (returned), any other
         runs to its tokens. ``release`` is called once the step is queued on the device."""
         t_start = time.perf_counter()
+        if self.prefill_clock is not None:
+            self.prefill_clock.poll()  # the steps the device has finished since: before this step's plans
         batch = self.scheduler.schedule()  # (a scheduler bug fails every request: _loop's handler)
         if not batch:
             release()  # nothing to launch: the writers need not wait for this thread
@@ -374,6 +382,9 @@ class Engine(KeptPages, Requests):  # (pages handed to the tiers: kept_pages; th
         if turn_trace.ENABLED:
             turn_trace.running([s.request_id for s in batch.seqs])
             turn_trace.stamp_step("step")
+        # (a turn over a cached history teaches nothing: no events on its path)
+        timed = pure_prefill and self.tiers.planner.learns_from(chunks)
+        mark = self.prefill_clock.start() if timed else None
         t0 = time.perf_counter()
         try:
             tokens, logprobs = self.runner.step(batch, while_running=beside_step)
@@ -388,8 +399,8 @@ class Engine(KeptPages, Requests):  # (pages handed to the tiers: kept_pages; th
             turn_trace.step_ran(t0, t1, batch.num_tokens)
         self.loop_seconds["step"] += t1 - t0
         self.loop_steps += 1
-        if pure_prefill:  # (no chunks without tiers)
-            self.tiers.planner.observe_prefill(chunks, t1 - t0, beside=beside_copy)
+        if timed:  # (no chunks without tiers)
+            self.prefill_clock.stop(mark, chunks, t1 - t0, beside=beside_copy)
         self._take_tokens(batch, tokens, logprobs)
         if not persist_beside:  # (a step that returns has called beside_step)
             self._persist_after(t1 - t0)

@@ -341,8 +341,9 @@ def test_only_chunks_from_the_start_of_a_history_scale_the_curve():
     assert planner.prefill_scale == pytest.approx(0.5 + 0.5 * 4.0)
 
 
-def test_the_disk_probe_counts_a_share_of_what_it_read_alone():
-    """The start-up probe reads with nothing beside it; a restore reads beside its recompute, slower."""
+def test_the_disk_probe_counts_all_it_read_as_a_provisional_rate():
+    """Restores read in their own process and have read faster than the probe: its whole rate counts, and the
+    first restore's own measurement replaces it when slower."""
     from qml_runtime.kv import planner_rates
 
     class Disk:
@@ -355,7 +356,7 @@ def test_the_disk_probe_counts_a_share_of_what_it_read_alone():
     planner, seen = RestorePlanner(), []
     planner.observe = lambda kind, amount, seconds, provisional=False: seen.append((kind, amount, provisional))
     planner_rates.probe_disk(Disk(), planner, threads=8)
-    assert 0 < planner_rates.PROBE_SHARE < 1 and seen == [("disk", planner_rates.PROBE_SHARE * 3000, True)]
+    assert seen == [("disk", 3000, True)]
 
 
 # --- a host-RAM history split: the head recomputed while the tail is copied in beside it ---------------

@@ -110,7 +110,7 @@ class RestorePlanner:
         history costs (a short chunk over a long history runs another kernel, split-KV, and its
         step often also carries the upload of that history, restored just before). ``beside``: the
         step ran beside a host-RAM copy (a split's head): it teaches ``beside_scale`` instead."""
-        if not all(start <= n for start, n in chunks):
+        if not self.learns_from(chunks):
             return
         if not self.prefill_curve:
             if not beside:
@@ -125,6 +125,11 @@ class RestorePlanner:
             else:
                 ratio = min(max(seconds / predicted, 0.5), 4.0)
                 self.prefill_scale = (1 - self.alpha) * self.prefill_scale + self.alpha * ratio
+
+    @staticmethod
+    def learns_from(chunks: Sequence[tuple[int, int]]) -> bool:
+        """Whether ``observe_prefill`` counts a step of these chunks (the engine times only those)."""
+        return all(start <= n for start, n in chunks)
 
     def fresh_seconds(self, tokens: int) -> float:
         """The measured curve's time to prefill ``tokens`` from nothing (unscaled)."""

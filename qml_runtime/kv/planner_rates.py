@@ -21,10 +21,6 @@ log = logging.getLogger("qml.kv.tiers")
 
 PROBE_BYTES = 64 << 20  # the start-up disk probe reads this much (~50 ms at 1.4 GB/s)
 PROBE_MIN_BLOCKS = 8  # a store with fewer blocks is not probed
-# the probe reads alone; a restore reads beside the recompute it is split with (the GPU's prefill, the
-# engine thread, the blocks decoded): on the H200 the probe gave 2.01 GB/s and the restore after it ~1.7
-# (sessions-h200-2026-12-02.md), and its plan, streaming too much, took 877 ms against 629 estimated
-PROBE_SHARE = 0.85
 
 
 def load_rates(planner: RestorePlanner, directory: Path) -> None:
@@ -55,7 +51,14 @@ def needs_probe(planner: RestorePlanner, disk: DiskStore) -> bool:
 def probe_disk(disk: DiskStore, planner: RestorePlanner, threads: int) -> None:
     """Read a few of the oldest blocks cold, ``threads`` at once as a restore does, and measure. The
     default guess is conservative; a restore planned on it recomputes what the disk could have
-    brought in faster (H200: 0.5 GB/s guessed, 1.1-1.5 GB/s measured)."""
+    brought in faster (H200: 0.5 GB/s guessed, 1.1-1.5 GB/s measured).
+
+    The rate is counted whole. It used to count 85%, from a restore that read ~1.7 GB/s after a probe of 2.01 on
+    the H200, when the restores' reader threads shared the server's GIL with the recompute beside them. Since the
+    reads moved to a child process (``disk_reader``) every restore after a restart has read faster than the probe,
+    1.1-1.35x: 1.93-2.04 GB/s after probes of 1.48-1.64 on the H200 (sessions-h200-2026-12-06.md), ~1.45 after
+    1.19 and 1.87-2.04 after ~1.8 on H100s (sessions-h100-2026-12-06e, -d). At 85% those plans read too little:
+    their reads ended 190-240 ms before the head they were split with."""
     names = disk.probe_names(PROBE_BYTES)
     parts = [names[i::threads] for i in range(threads)]
     done = [0] * len(parts)
@@ -71,6 +74,6 @@ def probe_disk(disk: DiskStore, planner: RestorePlanner, threads: int) -> None:
         th.join()
     seconds = time.perf_counter() - t0
     if sum(done) and "disk_bytes_per_s" not in planner.measured:  # a restore may have measured first
-        planner.observe("disk", PROBE_SHARE * sum(done), seconds, provisional=True)
-        log.info("restore planner: disk read %.2f GB/s (probe: %d blocks read cold in %.1f ms, x%.2f for a "
-                 "restore's company)", planner.disk_bytes_per_s / 1e9, len(names), seconds * 1e3, PROBE_SHARE)
+        planner.observe("disk", sum(done), seconds, provisional=True)
+        log.info("restore planner: disk read %.2f GB/s (probe: %d blocks read cold in %.1f ms)",
+                 planner.disk_bytes_per_s / 1e9, len(names), seconds * 1e3)
