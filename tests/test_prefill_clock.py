@@ -4,7 +4,10 @@ host."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 
 from qml_runtime.config import CacheConfig, SchedulerConfig
 from qml_runtime.engine import Engine
@@ -111,3 +114,20 @@ def test_the_engine_teaches_the_planner_device_times_of_steps_that_sample_nothin
         eng.shutdown()
     # (the last chunk, 44 tokens, and the second prompt's 9 are too short to teach the planner anything)
     assert seen == [([(0, 128)], pytest.approx(0.04)), ([(128, 128)], pytest.approx(0.04))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_a_step_is_timed_by_its_events_once_the_device_has_passed_them():
+    """torch's CUDA events behind the clock: a step whose work (~100 ms of device sleep) is still running when
+    the host is back waits, and then counts the device's time, not the launch's."""
+    seen = []
+    clock = PrefillClock(lambda chunks, seconds, beside: seen.append(seconds),
+                         lambda: torch.cuda.Event(enable_timing=True))
+    t0 = time.perf_counter()
+    mark = clock.start()
+    torch.cuda._sleep(200_000_000)  # cycles: ~100 ms at 2 GHz
+    host = time.perf_counter() - t0
+    clock.stop(mark, [(0, 4096)], host)
+    assert seen == [] and clock.poll() == 1
+    torch.cuda.synchronize()
+    assert clock.poll() == 0 and len(seen) == 1 and seen[0] > max(10 * host, 0.01)
