@@ -131,3 +131,36 @@ def test_on_a_gpu_a_step_is_timed_by_its_events_once_the_device_has_passed_them(
     assert seen == [] and clock.poll() == 1
     torch.cuda.synchronize()
     assert clock.poll() == 0 and len(seen) == 1 and seen[0] > max(10 * host, 0.01)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_engines_chunks_that_start_a_history_reach_the_planner():
+    """A narrow model with Llama-3.1-8B's heads on the GPU, with a host tier: a 3,000-token prompt in chunks of
+    1,024. The first two start the history (the first samples nothing); both reach the planner, timed on the
+    device, by the next request's step; the third (over 2,048 cached tokens) teaches nothing."""
+    import dataclasses
+
+    from qml_runtime.presets import PRESETS, ByteTokenizer, Preset, random_model
+
+    cfg = dataclasses.replace(PRESETS["llama-3.1-8b"].config, hidden_size=512, intermediate_size=1024, num_layers=2,
+                              vocab_size=512, context_length=8192)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    net = random_model(Preset(cfg, "LlamaForCausalLM", "Llama-3.1-8B heads, narrow"), dev, torch.bfloat16)
+    eng = Engine(net, ByteTokenizer(512), cfg, model_id="narrow", device=dev, dtype=torch.bfloat16,
+                 cache=CacheConfig(block_size=16, num_blocks=512, host_bytes=64 * 2**20),
+                 scheduler=SchedulerConfig(max_batched_tokens=1024, max_num_seqs=2), context_length=8192,
+                 fingerprint=b"prefill-clock-gpu-test", cuda_graphs=False, warmup=False)
+    seen = []
+    real = eng.tiers.planner.observe_prefill
+    eng.tiers.planner.observe_prefill = lambda chunks, seconds, beside=False: (
+        seen.append((list(chunks), seconds)), real(chunks, seconds, beside=beside))
+    eng.start()
+    try:
+        greedy = SamplingParams(max_tokens=2, temperature=0)
+        eng.generate_sync([(5 * i) % 500 + 3 for i in range(3000)], greedy)
+        eng.generate_sync([7, 8, 9], greedy)  # its steps poll the clock first
+        assert eng.prefill_clock.poll() == 0
+    finally:
+        eng.shutdown()
+    assert [c for c, _ in seen] == [[(0, 1024)], [(1024, 1024)]] and all(s > 0 for _, s in seen)
